@@ -1,0 +1,94 @@
+"""Typed engine configuration, shared by the CLI, the offline `LLM` API and (later) the
+serving config and the LLMService CRD. Every field is documented and validated when
+the object is built; errors say which field to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Base):
+    model: str | None = Field(
+        None,
+        description="Local folder with config.json + *.safetensors (HF layout). "
+        "None serves the embedded SmolLM2-135M-Instruct. Nothing is downloaded.",
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to the model folder.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights and activations dtype. float32 is exact against transformers."
+    )
+    device: str = Field("cpu", description="torch device: 'cpu' or 'cuda' / 'cuda:N'.")
+    max_model_len: int | None = Field(
+        None, ge=2, description="Max prompt + output tokens per request; defaults to the model's limit."
+    )
+    seed: int = Field(0, description="Seed of the engine-wide generator used by unseeded requests.")
+
+
+class CacheConfig(_Base):
+    block_size: int = Field(16, ge=1, le=512, description="Tokens per KV block.")
+    num_blocks: int | None = Field(
+        None, ge=2, description="Number of KV blocks; overrides the memory-based sizing."
+    )
+    kv_cache_memory_gb: float = Field(
+        2.0, gt=0, description="KV cache size in GiB when num_blocks is not set (CPU)."
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.85, gt=0, le=1, description="Fraction of free accelerator memory for KV (CUDA)."
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse cached full blocks across requests.")
+
+
+class SchedulerConfig(_Base):
+    max_num_seqs: int = Field(64, ge=1, description="Max requests running in one step.")
+    max_num_batched_tokens: int = Field(
+        1024, ge=1, description="Token budget per step; longer prompts are prefilled in chunks."
+    )
+
+
+class EngineConfig(_Base):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads on CPU; None keeps torch's default."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.model.device.startswith("cpu") and self.model.dtype == "float16":
+            raise ValueError("model.dtype: float16 is not supported on CPU; use float32 or bfloat16")
+        return self
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat keyword arguments (`LLM(model=..., block_size=16, ...)`)."""
+        sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        top: dict[str, Any] = {}
+        owners = {
+            "model": ModelConfig.model_fields,
+            "cache": CacheConfig.model_fields,
+            "scheduler": SchedulerConfig.model_fields,
+        }
+        for key, value in kwargs.items():
+            for section, fields in owners.items():
+                if key in fields:
+                    sections[section][key] = value
+                    break
+            else:
+                if key in cls.model_fields and key not in owners:
+                    top[key] = value
+                else:
+                    raise ValueError(f"unknown engine option {key!r}")
+        return cls(
+            model=ModelConfig(**sections["model"]),
+            cache=CacheConfig(**sections["cache"]),
+            scheduler=SchedulerConfig(**sections["scheduler"]),
+            **top,
+        )

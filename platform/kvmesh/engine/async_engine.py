@@ -1,0 +1,164 @@
+"""AsyncLLMEngine: an LLMEngine driven by a background step loop, for servers.
+
+The loop runs as an asyncio task; each `step()` runs in a worker thread (torch
+releases the GIL), so the event loop keeps accepting requests. Adds and aborts
+from callers are queued and applied by the loop between steps, so the engine is
+only ever touched by one thread at a time. `generate()` is an async iterator of
+RequestOutput; leaving it early (break, cancellation, client disconnect) aborts the
+request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from kvmesh.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop crashed; no further requests can be served."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, str | None]] = []
+        self._pending_aborts: set[str] = set()
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._dead: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig | None = None, progress: bool = True) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config, progress=progress))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            if self._dead is not None:
+                raise EngineDeadError(f"engine step loop died: {self._dead!r}")
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request. Validation errors raise before streaming."""
+        self._ensure_loop()
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            from kvmesh.errors import InvalidRequestError
+
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if not prompt:
+                from kvmesh.errors import InvalidRequestError
+
+                raise InvalidRequestError("prompt", "must not be empty")
+            ids = self.engine.encode(prompt)
+            text = prompt
+        else:
+            ids, text = list(prompt), None
+        self.engine.validate_prompt_ids(ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._pending_adds.append((request_id, ids, params, text))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._pending_aborts.add(request_id)
+                if self._wakeup is not None:
+                    self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._pending_aborts.add(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for rid, ids, params, text in adds:
+            if rid in self._pending_aborts:
+                continue
+            try:
+                self.engine.add_request(rid, ids, params, prompt_text=text)
+            except Exception as exc:  # validated already; defensive, never kill the loop
+                q = self._queues.get(rid)
+                if q is not None:
+                    q.put_nowait(exc)
+        if self._pending_aborts:
+            aborts, self._pending_aborts = self._pending_aborts, set()
+            self.engine.abort(aborts)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._apply_pending()
+                if not self.engine.has_unfinished():
+                    self._wakeup.clear()
+                    if not self._pending_adds and not self._pending_aborts:
+                        await self._wakeup.wait()
+                    continue
+                outputs = await loop.run_in_executor(None, self.engine.step)
+                for out in outputs:
+                    q = self._queues.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+                    elif not out.finished:
+                        self._pending_aborts.add(out.request_id)  # consumer is gone
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # surface to every waiting consumer
+            logger.exception("engine step loop crashed")
+            self._dead = exc
+            for q in self._queues.values():
+                q.put_nowait(EngineDeadError(f"engine step loop died: {exc!r}"))
+            raise
+
+    async def wait_idle(self, timeout: float = 10.0) -> None:
+        """Wait until every request (including pending aborts) has left the engine."""
+        async def _idle():
+            while self.engine.has_unfinished() or self._pending_adds or self._pending_aborts:
+                if self._wakeup is not None:
+                    self._wakeup.set()
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(_idle(), timeout)
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._loop_task = None

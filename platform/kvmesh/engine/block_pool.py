@@ -1,0 +1,122 @@
+"""A pool of fixed-size KV blocks with reference counts and an LRU free queue.
+
+Invariants:
+- Block 0 is the null block: never handed out, used by the runner as a padding slot.
+- A block is in the free queue iff its ref_cnt == 0.
+- A free block may still hold a cached hash: it is reusable by a prefix hit
+  (`touch` takes it back out of the queue) until `get_new_blocks` evicts it, oldest
+  freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from kvmesh.engine.hashing import BlockHash
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # pinned forever
+        # Insertion order == eviction order (least recently freed first).
+        self._free: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks[1:]
+        )
+        self._cached: dict[BlockHash, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """All blocks a request could ever hold (everything but the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Take `n` blocks from the head of the free queue (evicting cached ones)."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} blocks, only {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on blocks found by a prefix hit."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the tail of the free queue.
+
+        Callers pass a request's blocks in reverse order so its tail blocks (least
+        likely to be shared) are evicted before its head blocks.
+        """
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"double free of {block}"
+            if block.ref_cnt == 0:
+                if self.enable_caching and block.block_hash is not None:
+                    self._free[block.block_id] = block
+                else:
+                    block.block_hash = None
+                    self._free[block.block_id] = block
+
+    def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Register a block whose tokens are all known under its chained hash."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            # Another block already holds this content; keep that one canonical and
+            # let this duplicate be recycled normally.
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if len(self._free) != self.num_usable_blocks:
+            return False
+        for block in self.blocks[1:]:
+            block.block_hash = None
+        self._cached.clear()
+        return True

@@ -1,0 +1,248 @@
+"""LLMEngine: the synchronous core. step() = schedule -> execute -> update -> outputs.
+
+Requests enter with `add_request` (validated and tokenized here, so bad input fails
+before it touches the scheduler), progress one step at a time, and leave when they
+stop, hit a limit or are aborted; their KV blocks go back to the pool either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvmesh.config import EngineConfig
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from kvmesh.engine.request import Request, RequestStatus
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.scheduler import Scheduler, StepResult
+from kvmesh.errors import ConfigError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _OutputState:
+    """Per-request state of the output side (text, logprobs)."""
+
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None
+    token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, progress: bool = True):
+        import torch
+
+        from kvmesh.models.loader import load_model, load_tokenizer, model_fingerprint, resolve_model_path
+        from kvmesh.worker.model_runner import _DTYPES, KVCacheSpec, ModelRunner
+
+        self.config = config = config or EngineConfig()
+        mc, cc, sc = config.model, config.cache, config.scheduler
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = torch.device(mc.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("model.device: CUDA requested but torch sees no GPU; use --device cpu")
+        self.model_path = resolve_model_path(mc.model, progress=progress)
+        self.tokenizer = load_tokenizer(self.model_path if mc.tokenizer is None else resolve_model_path(mc.tokenizer))
+        dtype = _DTYPES[mc.dtype]
+
+        from kvmesh.models.loader import load_arch_config
+
+        arch = load_arch_config(self.model_path)
+        limit = arch.max_position_embeddings
+        if arch.sliding_window:
+            # The reference backend has no sliding-window attention: stay inside it.
+            limit = min(limit, arch.sliding_window)
+        if mc.max_model_len is not None and mc.max_model_len > arch.max_position_embeddings:
+            raise ConfigError(
+                f"model.max_model_len: {mc.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({arch.max_position_embeddings})"
+            )
+        max_model_len = mc.max_model_len or limit
+
+        self.model, self.arch = load_model(self.model_path, dtype, device, max_model_len + 1)
+        spec = KVCacheSpec(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+        num_blocks = cc.num_blocks or self._auto_num_blocks(spec, device)
+        capacity = (num_blocks - 1) * cc.block_size
+        if capacity < max_model_len:
+            if mc.max_model_len is not None:
+                raise ConfigError(
+                    f"cache: {num_blocks} blocks of {cc.block_size} tokens hold {capacity} tokens, "
+                    f"less than max_model_len={max_model_len}; raise cache.num_blocks / "
+                    "kv_cache_memory_gb or lower max_model_len"
+                )
+            max_model_len = capacity
+        self.max_model_len = max_model_len
+        self.fingerprint = model_fingerprint(
+            self.model_path, {"dtype": mc.dtype, "block_size": cc.block_size, "quantization": None}
+        )
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, self.fingerprint, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, sc.max_num_seqs, sc.max_num_batched_tokens, max_model_len)
+        self.runner = ModelRunner(self.model, arch, cc.block_size, num_blocks, device, seed=mc.seed)
+        self.eos_token_id = self._eos_token_id()
+        self._states: dict[str, _OutputState] = {}
+        logger.info("kvmesh engine: %s, %d KV blocks x %d tokens, max_model_len %d",
+                    self.model_path, num_blocks, cc.block_size, max_model_len)
+
+    @classmethod
+    def from_kwargs(cls, progress: bool = True, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(**kwargs), progress=progress)
+
+    def _auto_num_blocks(self, spec, device) -> int:
+        import torch
+
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * self.config.cache.kv_cache_memory_fraction)
+        else:
+            budget = int(self.config.cache.kv_cache_memory_gb * (1 << 30))
+        return max(budget // spec.bytes_per_block, 2)
+
+    def _eos_token_id(self) -> int | None:
+        if self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        return self.arch.eos_token_ids[0] if self.arch.eos_token_ids else None
+
+    # -- input ------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation under the checkpoint's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("messages", "this model has no chat template; send a plain prompt")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        prompt_text: str | None = None,
+    ) -> str:
+        """Validate, tokenize and queue a request; returns its id.
+
+        `prompt` is text or token ids; `prompt_text` labels a pre-tokenized prompt
+        with its text in the outputs.
+        """
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._states:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else prompt_text
+        if prompt is None or (isinstance(prompt, str) and not prompt):
+            raise InvalidRequestError("prompt", "must not be empty")
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt_ids(ids)
+        req = Request(request_id, ids, params, self.eos_token_id, prompt=text, arrival_time=arrival_time)
+        self.scheduler.add_request(req)
+        self._states[request_id] = _OutputState(
+            req, IncrementalDetokenizer(self.tokenizer, ids, params),
+            [] if params.logprobs is not None else None,
+        )
+        return request_id
+
+    def validate_prompt_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.arch.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+            raise InvalidRequestError("prompt_token_ids", f"every token id must be an integer in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"has {len(ids)} tokens but max_model_len is {self.max_model_len}; the prompt must "
+                "leave room for at least one output token: shorten it or raise max_model_len",
+            )
+
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            self._states.pop(rid, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched)
+        results = self.scheduler.update_from_output(sched, runner_out)
+        now = time.monotonic()
+        outputs = []
+        for res in results:
+            state = self._states.get(res.request.request_id)
+            if state is None:
+                continue
+            lp = runner_out.logprobs.get(res.request.request_id)
+            if state.logprobs is not None and lp is not None:
+                state.logprobs.append(lp)
+            outputs.append(self._make_output(state, res, now))
+        return outputs
+
+    def _make_output(self, state: _OutputState, res: StepResult, now: float) -> RequestOutput:
+        req = state.request
+        if req.first_token_time is None:
+            req.first_token_time = now
+        finished = res.finished
+        delta, stop_hit = state.detok.update(res.new_token_ids, finished)
+        if stop_hit and not finished:
+            self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
+            req.stop_reason = state.detok.stop_string
+            finished = True
+        state.token_ids.extend(res.new_token_ids)
+        metrics = {"ttft_s": req.first_token_time - req.arrival_time}
+        if finished:
+            self._states.pop(req.request_id, None)
+            metrics["e2e_s"] = now - req.arrival_time
+        completion = CompletionOutput(
+            index=0,
+            text=state.detok.text,
+            token_ids=list(state.token_ids),
+            finish_reason=req.status.value if finished else None,
+            stop_reason=req.stop_reason,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            delta_text=delta,
+            delta_token_ids=list(res.new_token_ids),
+        )
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
+            num_cached_tokens=max(req.num_cached_tokens, 0), metrics=metrics,
+        )
+
+    # -- introspection ----------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_manager.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.kv_manager.num_usable_blocks
+
+    def stats(self) -> dict[str, float]:
+        kv = self.kv_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_usable_blocks": kv.num_usable_blocks,
+            "kv_usage": kv.usage(),
+            "prefix_query_tokens": kv.query_tokens,
+            "prefix_hit_tokens": kv.hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

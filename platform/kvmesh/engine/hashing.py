@@ -1,0 +1,50 @@
+"""Chained block hashes: the identity of a block of KV is its whole token prefix.
+
+hash(block i) = sha256(hash(block i-1) || token ids of block i), with the chain rooted
+at sha256("kvmesh-kv-v1" || model fingerprint). Two blocks therefore share a hash only
+if every token before and inside them matches *and* the model (weights, dtype, block
+size, RoPE, quantization: whatever the fingerprint covers) matches. The function uses
+only hashlib and fixed little-endian encoding, so the same tokens and fingerprint give
+the same hash in every process on every machine (unlike Python's `hash()`); the local
+prefix cache, a shared KV store and the router can all use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes  # 32 bytes (sha256 digest)
+
+_ROOT_TAG = b"kvmesh-kv-v1"
+
+
+def root_hash(model_fingerprint: str) -> BlockHash:
+    """The parent hash of a sequence's first block."""
+    return hashlib.sha256(_ROOT_TAG + model_fingerprint.encode()).digest()
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """Hash of one full block given its parent's hash."""
+    payload = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return hashlib.sha256(parent + payload).digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    model_fingerprint: str,
+    start: Sequence[BlockHash] = (),
+) -> list[BlockHash]:
+    """Chained hashes of every *full* block of `token_ids`.
+
+    `start` holds already computed hashes of the leading blocks (a request's growing
+    list); only the remaining full blocks are hashed.
+    """
+    out = list(start)
+    parent = out[-1] if out else root_hash(model_fingerprint)
+    for i in range(len(out), len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out

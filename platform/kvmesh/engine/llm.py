@@ -1,0 +1,62 @@
+"""Offline batch API: `LLM(...).generate(prompts, params)`, like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvmesh.config import EngineConfig
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Loads a model once and generates for whole lists of prompts with continuous batching.
+
+    `LLM()` serves the embedded model; keyword arguments are EngineConfig fields
+    (model, dtype, device, max_model_len, block_size, num_blocks, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: str | None = None, progress: bool = True, **kwargs):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs), progress=progress)
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); results in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                self._counter += 1
+                ids.append(self.engine.add_request(f"llm-{self._counter}", prompt, p))
+        except Exception:
+            self.engine.abort(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,87 @@
+"""Typed boundary objects between scheduler, model runner and API layer (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step: compute `token_ids` at positions start_pos.. ."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    # The request's whole block table; append-only while the request runs.
+    block_ids: list[int]
+    # True when this chunk ends at the request's last known token, so the step
+    # samples its next token. False for a prefill chunk that stops mid-prompt.
+    sample: bool
+    sampling_params: SamplingParams
+    # Read-only views for penalties (prompt + output so far).
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    # Requests that left the engine since the previous step: the runner drops any
+    # per-request state (e.g. seeded generators) it holds for them.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token plus the top-n alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Raw (V,) logits per sampled request; only when the runner is asked (tests, debug).
+    logits: dict[str, object] | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string hit
+    logprobs: list[TokenLogprobs] | None = None
+    # What this output adds to the previous one of the same request (streaming).
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,203 @@
+"""Iteration-level scheduler: chunked prefill mixed with decodes, preemption by recompute.
+
+There is no prefill or decode phase. Each step, every running request is given the
+tokens it still needs (num_tokens - num_computed_tokens; 1 for a decode), capped by
+a per-step token budget, so long prompts are computed in chunks alongside other
+requests' decodes. Waiting requests are admitted FIFO while the budget, the
+max-running cap and free KV blocks last. When a running request cannot grow, the
+newest running request is preempted: its blocks are freed and it rejoins the front of
+the waiting queue to be recomputed (the prefix cache usually makes that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from kvmesh.engine.request import Request, RequestStatus
+
+
+@dataclass
+class StepResult:
+    """What one step did to one request, for the output processor."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        capacity = kv_cache_manager.num_usable_blocks * kv_cache_manager.block_size
+        if capacity < max_model_len:
+            # Otherwise one long request could preempt itself forever (livelock).
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens, less than max_model_len={max_model_len}"
+            )
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
+        """Finish (e.g. abort, or stop on a stop string) requests wherever they are."""
+        assert status.finished
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.add(req.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- scheduling -------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # `req` itself was preempted: nothing after it can grow either
+
+        # Admitting while preempting would just thrash.
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                prefix = self.kv.get_computed_blocks(req)
+                num_new = min(req.num_tokens - prefix.num_tokens, budget)
+                if self.kv.allocate_slots(req, num_new, prefix) is None:
+                    break
+                self.waiting.popleft()
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = prefix.num_tokens
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = prefix.num_tokens
+                scheduled.append((req, num_new))
+                budget -= num_new
+
+        seqs = []
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            seqs.append(
+                ScheduledSeq(
+                    request_id=req.request_id,
+                    token_ids=req.all_token_ids[start : start + n],
+                    start_pos=start,
+                    block_ids=self.kv.get_block_ids(req.request_id),
+                    sample=start + n == req.num_tokens,
+                    sampling_params=req.sampling_params,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=req.output_token_ids,
+                )
+            )
+            # Tokens count as computed once scheduled; the step that runs them is
+            # the next thing to happen, and a request is never scheduled twice a step.
+            req.num_computed_tokens = start + n
+
+        out = SchedulerOutput(
+            seqs=seqs,
+            finished_req_ids=self._finished_ids,
+            preempted_req_ids=[r.request_id for r in preempted],
+        )
+        self._finished_ids = set()
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- results ----------------------------------------------------------
+
+    def update_from_output(
+        self, sched: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[StepResult]:
+        results = []
+        for seq in sched.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.is_finished:
+                continue  # aborted while the step ran
+            token = runner_out.sampled_token_ids.get(seq.request_id)
+            if token is None:
+                continue  # a prefill chunk that does not reach the end of the prompt
+            req.append_output_token(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            results.append(StepResult(req, [token], status is not None))
+        return results
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if not params.ignore_eos and token == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,1 @@
+"""Model sources for kvmesh (the embedded default model, ...)."""

@@ -1,0 +1,183 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) on kvmesh's paged attention.
+
+The model consumes a flat batch: `input_ids` (T,), `positions` (T,) for all scheduled
+tokens of all sequences, no padding. Q/K/V and gate/up projections are fused into one
+Linear each (one GEMM instead of three / two); checkpoint shards are copied into
+their slice by per-parameter `weight_loader`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmesh.models.arch import ArchConfig
+from kvmesh.models.rope import RotaryEmbedding, apply_rope
+from kvmesh.worker.attention import AttentionBackend, AttentionMetadata
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs model {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of the same input stacked on the output dim."""
+
+    def __init__(self, in_features: int, out_sizes: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(out_sizes.values()), bias=bias)
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in out_sizes.items():
+            self.offsets[name] = (start, size)
+            start += size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        """Copy one checkpoint projection (e.g. "k") into its rows of the fused param."""
+        start, size = self.offsets[shard]
+        if loaded.shape[0] != size:
+            raise ValueError(f"shard {shard}: checkpoint has {loaded.shape[0]} rows, expected {size}")
+        param.data.narrow(0, start, size).copy_(loaded)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 like the reference; the weight multiplies in model dtype.
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_size, self.kv_size = q, kv
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # (T, H, D)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # (T, KVH, D)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.intermediate_size = i
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, h, cos, sin, kv_cache, meta, backend):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg, max_positions)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint shard name -> (fused parameter name, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: ArchConfig, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, max_positions)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Returns the final hidden states before the last norm, (T, hidden)."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary.cos_sin(positions, h.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, meta, backend)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into parameters; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for ckpt, (fused, shard_id) in self.packed_modules.items():
+                if f".{ckpt}." in name:
+                    target, shard = name.replace(f".{ckpt}.", f".{fused}."), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+            if shard is not None:
+                self.get_submodule(target.rsplit(".", 1)[0]).weight_loader(param, tensor, shard)
+                loaded.add(f"{target}:{shard}")
+            else:
+                default_weight_loader(param, tensor)
+                loaded.add(target)
+        expected = set()
+        for pname, param in params.items():
+            owner = pname.rsplit(".", 1)[0]
+            module = self.get_submodule(owner)
+            if isinstance(module, MergedLinear):
+                expected.update(f"{pname}:{s}" for s in module.offsets)
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

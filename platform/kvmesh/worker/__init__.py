@@ -1,0 +1,1 @@
+"""Everything that touches tensors: model runner, attention backends, sampler."""

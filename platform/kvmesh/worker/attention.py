@@ -1,0 +1,150 @@
+"""Paged attention over a flat batch of tokens.
+
+The KV cache of one layer is a pair of tensors (K, V), each (num_blocks, block_size,
+kv_heads, head_dim). A token's KV lives at slot = block_id * block_size + offset; the
+runner passes each token's slot (`slot_mapping`) and each sequence's block table.
+
+Backends implement `AttentionBackend`: `build_metadata` once per step (shared by every
+layer), `forward` once per layer. `TorchAttentionBackend` is the reference that runs on
+any device with plain PyTorch ops (SDPA); a fused CUDA / Triton backend slots in behind
+the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqSpan:
+    """A sequence in the flat batch: tokens [q_start, q_start + q_len) at positions
+    [start_pos, start_pos + q_len), attending to all ctx_len = start_pos + q_len keys."""
+
+    q_start: int
+    q_len: int
+    start_pos: int
+    block_ids: list[int]
+
+    @property
+    def ctx_len(self) -> int:
+        return self.start_pos + self.q_len
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64
+    # Decodes (q_len == 1) come first in the flat batch: tokens [0, num_decodes).
+    num_decodes: int
+    decode_block_table: torch.Tensor | None  # (Bd, max_blocks) int64, padded with block 0
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_blocks * block_size) bool
+    # Everything else (prefill chunks), each attended separately.
+    prefills: list[SeqSpan]
+    prefill_block_tables: list[torch.Tensor | None]  # None: fresh prefill, no cache read
+    prefill_masks: list[torch.Tensor | None]  # (q_len, ctx_len) bool, None when causal from 0
+
+
+class AttentionBackend(Protocol):
+    def build_metadata(self, spans: list[SeqSpan], num_decodes: int) -> AttentionMetadata: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend:
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+
+    def build_metadata(self, spans: list[SeqSpan], num_decodes: int) -> AttentionMetadata:
+        bs = self.block_size
+        slots = []
+        for s in spans:
+            pos = np.arange(s.start_pos, s.ctx_len)
+            table = np.asarray(s.block_ids, dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(self.device)
+
+        decode_table = decode_mask = None
+        if num_decodes:
+            dec = spans[:num_decodes]
+            nblk = max(-(-s.ctx_len // bs) for s in dec)
+            table = np.zeros((num_decodes, nblk), dtype=np.int64)
+            ctx = np.empty(num_decodes, dtype=np.int64)
+            for i, s in enumerate(dec):
+                n = -(-s.ctx_len // bs)
+                table[i, :n] = s.block_ids[:n]
+                ctx[i] = s.ctx_len
+            decode_table = torch.from_numpy(table).to(self.device)
+            mask = np.arange(nblk * bs)[None, :] < ctx[:, None]
+            decode_mask = torch.from_numpy(mask).to(self.device)[:, None, None, :]
+
+        prefills = spans[num_decodes:]
+        tables: list[torch.Tensor | None] = []
+        masks: list[torch.Tensor | None] = []
+        for s in prefills:
+            if s.start_pos == 0:
+                tables.append(None)
+                masks.append(None)
+                continue
+            n = -(-s.ctx_len // bs)
+            tables.append(torch.tensor(s.block_ids[:n], dtype=torch.int64, device=self.device))
+            # query i (position start_pos + i) sees keys j <= start_pos + i
+            q_pos = torch.arange(s.start_pos, s.ctx_len, device=self.device)[:, None]
+            k_pos = torch.arange(s.ctx_len, device=self.device)[None, :]
+            masks.append(k_pos <= q_pos)
+        return AttentionMetadata(
+            slot_mapping, num_decodes, decode_table, decode_mask, prefills, tables, masks
+        )
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D)."""
+        k_cache, v_cache = kv_cache
+        nb, bs, kvh, d = k_cache.shape
+        # Write this step's K/V first: later tokens of the step (and other sequences
+        # that hit blocks registered this step) read them below.
+        k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        h = q.shape[1]
+        group = h // kvh
+        nd = meta.num_decodes
+        if nd:
+            # (Bd, nblk, bs, KVH, D) -> (Bd, KVH, nblk*bs, D)
+            kd = k_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
+            vd = v_cache[meta.decode_block_table].flatten(1, 2).transpose(1, 2)
+            # GQA without repeating K/V: the G query heads sharing a KV head act as G
+            # query rows of that head. qd: (Bd, KVH, G, D)
+            qd = q[:nd].view(nd, kvh, group, d)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+            out[:nd] = o.reshape(nd, h, d)
+        for s, table, mask in zip(meta.prefills, meta.prefill_block_tables, meta.prefill_masks):
+            sl = slice(s.q_start, s.q_start + s.q_len)
+            qs = q[sl].transpose(0, 1)  # (H, L, D)
+            if table is None:
+                ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                ks = k_cache[table].flatten(0, 1)[: s.ctx_len].transpose(0, 1)  # (KVH, C, D)
+                vs = v_cache[table].flatten(0, 1)[: s.ctx_len].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[sl] = o.transpose(0, 1)
+        return out
+
+
+def get_attention_backend(name: str, block_size: int, device: torch.device) -> AttentionBackend:
+    backends = {"torch": TorchAttentionBackend}
+    if name not in backends:
+        raise ValueError(f"attention backend {name!r} unknown; choose from {sorted(backends)}")
+    return backends[name](block_size, device)

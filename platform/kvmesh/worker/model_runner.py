@@ -1,0 +1,113 @@
+"""Runs one scheduled step: flat batch in, sampled tokens out.
+
+All scheduled tokens of all sequences are packed into one (T,) batch with no padding;
+each token's K/V is written to its slot in the paged cache, attention reads each
+sequence's blocks through its block table, and logits are computed only for the last
+token of sequences that sample this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvmesh.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledSeq
+from kvmesh.models.arch import ArchConfig
+from kvmesh.worker.attention import SeqSpan, get_attention_backend
+from kvmesh.worker.sampler import sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class KVCacheSpec:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model, arch: ArchConfig, block_size: int, num_blocks: int,
+                 device: torch.device, seed: int = 0, attention_backend: str = "torch"):
+        self.model = model
+        self.arch = arch
+        self.device = device
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, self.dtype)
+        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        # One (K, V) pair per layer. Zero-filled so padded reads of the null block are
+        # finite (they are masked, but NaN * 0 would still poison the output).
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=device),
+             torch.zeros(shape, dtype=self.dtype, device=device))
+            for _ in range(arch.num_layers)
+        ]
+        self.backend = get_attention_backend(attention_backend, block_size, device)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._req_generators: dict[str, torch.Generator] = {}
+
+    def _generator_for(self, seq: ScheduledSeq) -> torch.Generator | None:
+        seed = seq.sampling_params.seed
+        if seed is None or seq.sampling_params.greedy:
+            return None
+        g = self._req_generators.get(seq.request_id)
+        if g is None:
+            g = torch.Generator(device=self.device).manual_seed(seed)
+            self._req_generators[seq.request_id] = g
+        return g
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, return_logits: bool = False) -> ModelRunnerOutput:
+        """Run the step. `return_logits` (tests, debugging) fills the output's `logits`
+        with {request_id: (V,) float32 tensor}."""
+        for rid in sched.finished_req_ids:
+            self._req_generators.pop(rid, None)
+        if sched.is_empty:
+            return ModelRunnerOutput({}, logits={} if return_logits else None)
+        # Decodes first: the backend batches them as one attention call.
+        seqs = sorted(sched.seqs, key=lambda s: s.num_tokens != 1)
+        num_decodes = sum(1 for s in seqs if s.num_tokens == 1)
+        spans, ids, pos = [], [], []
+        q_start = 0
+        for s in seqs:
+            spans.append(SeqSpan(q_start, s.num_tokens, s.start_pos, s.block_ids))
+            ids.extend(s.token_ids)
+            pos.append(np.arange(s.start_pos, s.start_pos + s.num_tokens))
+            q_start += s.num_tokens
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.from_numpy(np.concatenate(pos)).to(self.device)
+        meta = self.backend.build_metadata(spans, num_decodes)
+
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        sampling = [(i, s) for i, s in enumerate(seqs) if s.sample]
+        if not sampling:
+            return ModelRunnerOutput({}, logits={} if return_logits else None)
+        last = torch.tensor([spans[i].q_start + spans[i].q_len - 1 for i, _ in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[last])
+        raw = logits.clone() if return_logits else None
+        rows = [s for _, s in sampling]
+        tokens, logprobs = sample(
+            logits,
+            [s.sampling_params for s in rows],
+            [self._generator_for(s) for s in rows],
+            self.generator,
+            [(s.prompt_token_ids, s.output_token_ids) for s in rows],
+        )
+        out = ModelRunnerOutput(
+            {s.request_id: t for s, t in zip(rows, tokens)},
+            {s.request_id: lp for s, lp in zip(rows, logprobs) if lp is not None},
+        )
+        if return_logits:
+            out.logits = {s.request_id: raw[i] for i, s in enumerate(rows)}
+        return out
