@@ -54,8 +54,8 @@ class IncrementalDetokenizer:
         hit = self._check_stop(old_len)
         done = finished or hit
         # Hold back a possible stop-string prefix unless the request is done.
-        visible = len(self.text) if done else max(len(self.text) - (self._max_stop_len - 1), 0)
-        visible = max(visible, self._emitted)
+        hold = 0 if done else max(self._max_stop_len - 1, 0)
+        visible = max(len(self.text) - hold, self._emitted)
         delta = self.text[self._emitted : visible]
         self._emitted = visible
         return delta, hit

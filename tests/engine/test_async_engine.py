@@ -1,0 +1,106 @@
+"""AsyncLLMEngine: concurrent streams, cancellation frees blocks, bad input is isolated."""
+
+import asyncio
+
+import pytest
+import torch
+
+from kvmesh import InvalidRequestError, SamplingParams
+from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    torch.set_num_threads(1)
+    return LLMEngine.from_kwargs(model=str(tiny_llama), progress=False, block_size=4, num_blocks=200,
+                                 max_model_len=256)
+
+
+def _prompt(n, seed=0):
+    return torch.randint(3, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_concurrent_streams_match_offline(engine):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [_prompt(n, n) for n in (3, 20, 41)]
+
+    async def main():
+        aeng = AsyncLLMEngine(engine)
+
+        async def consume(p):
+            deltas, last = [], None
+            async for out in aeng.generate(p, greedy):
+                deltas.extend(out.outputs[0].delta_token_ids)
+                last = out
+            return deltas, last
+
+        res = await asyncio.gather(*(consume(p) for p in prompts))
+        await aeng.shutdown()
+        return res
+
+    results = asyncio.run(main())
+    for p, (deltas, last) in zip(prompts, results):
+        assert last.finished and deltas == last.outputs[0].token_ids and len(deltas) == 12
+        engine.add_request("offline", p, greedy)
+        offline = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                offline = o
+        assert offline.outputs[0].token_ids == deltas
+    assert engine.num_free_blocks == engine.num_usable_blocks
+
+
+def test_cancel_and_break_free_blocks_others_unaffected(engine):
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def main():
+        aeng = AsyncLLMEngine(engine)
+
+        async def run_to_end():
+            n = 0
+            async for out in aeng.generate(_prompt(9, 1), SamplingParams(max_tokens=30, ignore_eos=True)):
+                n = len(out.outputs[0].token_ids)
+            return n
+
+        async def cancelled():
+            async for _ in aeng.generate(_prompt(50, 2), long):
+                pass
+
+        async def breaks_early():
+            gen = aeng.generate(_prompt(30, 3), long)
+            async for out in gen:
+                if len(out.outputs[0].token_ids) >= 3:
+                    break
+            await gen.aclose()
+
+        survivor = asyncio.create_task(run_to_end())
+        victim = asyncio.create_task(cancelled())
+        await asyncio.sleep(0.3)
+        victim.cancel()
+        await breaks_early()
+        n = await survivor
+        await aeng.wait_idle()
+        await aeng.shutdown()
+        return n
+
+    assert asyncio.run(main()) == 30
+    assert not engine.has_unfinished()
+    assert engine.num_free_blocks == engine.num_usable_blocks
+
+
+def test_bad_request_raises_before_streaming(engine):
+    async def main():
+        aeng = AsyncLLMEngine(engine)
+        with pytest.raises(InvalidRequestError, match="prompt"):
+            async for _ in aeng.generate("", SamplingParams()):
+                pass
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
+            async for _ in aeng.generate([5] * 400, SamplingParams()):
+                pass
+        outs = [o async for o in aeng.generate(_prompt(5), SamplingParams(max_tokens=4, ignore_eos=True))]
+        await aeng.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
