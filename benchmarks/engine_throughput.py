@@ -146,7 +146,7 @@ def load_text_tokens(tokenizer) -> tuple[list[int], str]:
         texts = [d for d in (ast.get_docstring(n) for n in nodes) if d]
         docs.extend(texts)
         used.append(f"{mod} ({len(texts)} docstrings)")
-    ids = tokenizer("\n\n".join(docs), add_special_tokens=False)["input_ids"] if docs else []
+    ids = tokenizer("\n\n".join(docs), add_special_tokens=False, verbose=False)["input_ids"] if docs else []
     return list(ids), "docstrings of " + ", ".join(used)
 
 
@@ -215,7 +215,7 @@ def decode_step_time(llm, prompt: list[int], max_tokens: int, repeats: int) -> d
     engine = llm.engine
     assert not engine.has_unfinished(), "the engine must be idle for the batch-1 step timing"
     prefill_s, decode_s = [], []
-    for r in tqdm(range(repeats), desc="kvmesh batch-1 decode steps", leave=False):
+    for r in tqdm(range(repeats), desc="kvmesh batch-1 decode steps"):
         engine.add_request(f"b1-{r}-{time.monotonic_ns()}", prompt,
                            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         steps = []
@@ -517,16 +517,18 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_results(res: dict, out_dir: Path, prefix: str) -> list[Path]:
+def write_results(res: dict, out_dir: Path, prefix: str) -> tuple[list[Path], str]:
+    """Write <prefix>.json (raw numbers), .md (table) and .png (bar chart); returns (paths, markdown)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     clean = json.loads(json.dumps(res, default=str))
     for s in clean["systems"].values():  # raw token lists stay out of the JSON
         s.pop("_outputs", None)
+    markdown = render_markdown(clean)
     paths = [out_dir / f"{prefix}.json", out_dir / f"{prefix}.md", out_dir / f"{prefix}.png"]
     paths[0].write_text(json.dumps(clean, indent=2) + "\n")
-    paths[1].write_text(render_markdown(clean))
+    paths[1].write_text(markdown)
     plot(clean, paths[2])
-    return paths
+    return paths, markdown
 
 
 # -- main ---------------------------------------------------------------------
@@ -678,12 +680,9 @@ def main(argv=None) -> dict:
         "sanity": sanity,
     }
     res["summary"] = summarize(systems, step, bandwidth, wbytes)
-    paths = write_results(res, args.out_dir, args.prefix)
+    paths, markdown = write_results(res, args.out_dir, args.prefix)
     print()
-    print(render_markdown(json.loads(json.dumps({**res, "systems": {k: {kk: vv for kk, vv in v.items()
-                                                                       if kk != "_outputs"}
-                                                                   for k, v in systems.items()}},
-                                                default=str))))
+    print(markdown)
     print(f"load average now: {load_end['1min']:.2f} {load_end['5min']:.2f} {load_end['15min']:.2f}")
     print("wrote " + ", ".join(str(p) for p in paths))
     return res

@@ -17,6 +17,7 @@ from torch import nn
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.rope import RotaryEmbedding, apply_rope
 from kvmesh.worker.attention import AttentionBackend, AttentionMetadata
+from kvmesh.worker.ops import Linear
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -25,7 +26,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-class MergedLinear(nn.Linear):
+class MergedLinear(Linear):
     """Several projections of the same input stacked on the output dim."""
 
     def __init__(self, in_features: int, out_sizes: dict[str, int], bias: bool):
@@ -62,7 +63,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.o_bias)
         self.q_size, self.kv_size = q, kv
         self.scale = cfg.head_dim**-0.5
 
@@ -81,7 +82,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         i = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias)
         self.intermediate_size = i
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = LlamaModel(cfg, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
