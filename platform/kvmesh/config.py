@@ -59,6 +59,9 @@ class EngineConfig(_Base):
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on CPU; None keeps torch's default."
     )
+    attention_backend: Literal["auto", "torch", "cpu"] = Field(
+        "auto", description="auto: C++ paged kernels on CPU when they build, else the PyTorch reference."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

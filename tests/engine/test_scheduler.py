@@ -146,3 +146,21 @@ def test_max_model_len_caps_output():
     while s.has_unfinished():
         run_step(s)
     assert r.num_tokens == 6 and r.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_hold_kv_keeps_blocks_until_released():
+    s, kv = make(block_size=4)
+    r = req("p", 9, max_tokens=1)
+    r.hold_kv = True
+    s.add_request(r)
+    run_step(s)
+    assert r.is_finished and r.held_block_ids == [1, 2, 3]
+    assert kv.num_free_blocks == kv.num_usable_blocks - 3
+    # held blocks are referenced: a flood of new requests cannot evict them
+    assert kv.release("p") and not kv.release("p")
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    a = req("a", 9, max_tokens=1)
+    a.hold_kv = True
+    s.add_request(a)
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # aborts never hold
+    assert a.held_block_ids is None and kv.num_free_blocks == kv.num_usable_blocks

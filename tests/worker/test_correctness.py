@@ -66,6 +66,11 @@ def test_few_blocks_force_preemption(model_factory):
     assert engine.stats()["num_preemptions"] > 0
 
 
+def test_reference_torch_backend(model_factory):
+    _check(model_factory(), dict(block_size=4, num_blocks=256, attention_backend="torch",
+                                 max_num_batched_tokens=7))
+
+
 def test_block_size_one_and_large(model_factory):
     _check(model_factory(), dict(block_size=1, num_blocks=1024))
     _check(model_factory(), dict(block_size=64, num_blocks=16))

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
@@ -31,8 +32,10 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._queues: dict[str, asyncio.Queue] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, str | None]] = []
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, str | None, bool]] = []
         self._pending_aborts: set[str] = set()
+        # Callables to run on the loop thread between steps (see run_between_steps).
+        self._pending_calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
@@ -57,8 +60,13 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        hold_kv: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request. Validation errors raise before streaming."""
+        """Stream outputs of one request. Validation errors raise before streaming.
+
+        `hold_kv`: see LLMEngine.add_request; free the blocks with
+        `run_between_steps(lambda: engine.release_kv(request_id))`.
+        """
         self._ensure_loop()
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
@@ -78,7 +86,7 @@ class AsyncLLMEngine:
         self.engine.validate_prompt_ids(ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._pending_adds.append((request_id, ids, params, text))
+        self._pending_adds.append((request_id, ids, params, text, hold_kv))
         self._wakeup.set()
         finished = False
         try:
@@ -102,13 +110,35 @@ class AsyncLLMEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    async def run_between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the loop thread while no step is running; returns its result.
+
+        The engine (block pool, runner KV tensors) is not thread-safe: anything that
+        touches it from outside the step loop (releasing held KV, reading blocks for
+        a transfer, snapshotting the prefix cache) goes through here. `fn` blocks the
+        event loop while it runs, so keep it short.
+        """
+        self._ensure_loop()
+        fut = asyncio.get_running_loop().create_future()
+        self._pending_calls.append((fn, fut))
+        self._wakeup.set()
+        return await fut
+
     def _apply_pending(self) -> None:
+        calls, self._pending_calls = self._pending_calls, []
+        for fn, fut in calls:
+            if fut.done():  # the caller was cancelled
+                continue
+            try:
+                fut.set_result(fn())
+            except Exception as exc:
+                fut.set_exception(exc)
         adds, self._pending_adds = self._pending_adds, []
-        for rid, ids, params, text in adds:
+        for rid, ids, params, text, hold_kv in adds:
             if rid in self._pending_aborts:
                 continue
             try:
-                self.engine.add_request(rid, ids, params, prompt_text=text)
+                self.engine.add_request(rid, ids, params, prompt_text=text, hold_kv=hold_kv)
             except Exception as exc:  # validated already; defensive, never kill the loop
                 q = self._queues.get(rid)
                 if q is not None:
@@ -124,7 +154,7 @@ class AsyncLLMEngine:
                 self._apply_pending()
                 if not self.engine.has_unfinished():
                     self._wakeup.clear()
-                    if not self._pending_adds and not self._pending_aborts:
+                    if not self._pending_adds and not self._pending_aborts and not self._pending_calls:
                         await self._wakeup.wait()
                     continue
                 outputs = await loop.run_in_executor(None, self.engine.step)
@@ -142,6 +172,9 @@ class AsyncLLMEngine:
             self._dead = exc
             for q in self._queues.values():
                 q.put_nowait(EngineDeadError(f"engine step loop died: {exc!r}"))
+            for _, fut in self._pending_calls:
+                if not fut.done():
+                    fut.set_exception(EngineDeadError(f"engine step loop died: {exc!r}"))
             raise
 
     async def wait_idle(self, timeout: float = 10.0) -> None:

@@ -57,6 +57,14 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def cached_block_hashes(self, limit: int) -> list[BlockHash]:
+        """Up to `limit` hashes of cached blocks, the most recently cached last (for
+        the router's prefix-affinity view of this worker)."""
+        if limit <= 0:
+            return []
+        hashes = list(self._cached)
+        return hashes[-limit:]
+
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
 

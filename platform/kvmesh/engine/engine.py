@@ -85,7 +85,8 @@ class LLMEngine:
         )
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, self.fingerprint, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_seqs, sc.max_num_batched_tokens, max_model_len)
-        self.runner = ModelRunner(self.model, arch, cc.block_size, num_blocks, device, seed=mc.seed)
+        self.runner = ModelRunner(self.model, arch, cc.block_size, num_blocks, device, seed=mc.seed,
+                                  attention_backend=config.attention_backend)
         self.eos_token_id = self._eos_token_id()
         self._states: dict[str, _OutputState] = {}
         logger.info("kvmesh engine: %s, %d KV blocks x %d tokens, max_model_len %d",
@@ -131,11 +132,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         prompt_text: str | None = None,
+        hold_kv: bool = False,
     ) -> str:
         """Validate, tokenize and queue a request; returns its id.
 
         `prompt` is text or token ids; `prompt_text` labels a pre-tokenized prompt
-        with its text in the outputs.
+        with its text in the outputs. With `hold_kv` the request's KV blocks outlive it
+        (see RequestOutput.held_block_ids) until `release_kv(request_id)`.
         """
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
@@ -147,6 +150,7 @@ class LLMEngine:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt_ids(ids)
         req = Request(request_id, ids, params, self.eos_token_id, prompt=text, arrival_time=arrival_time)
+        req.hold_kv = hold_kv
         self.scheduler.add_request(req)
         self._states[request_id] = _OutputState(
             req, IncrementalDetokenizer(self.tokenizer, ids, params),
@@ -175,6 +179,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks a hold_kv request kept; False if none are held under the id."""
+        return self.kv_manager.release(request_id)
 
     # -- the step ---------------------------------------------------------
 
@@ -222,6 +230,7 @@ class LLMEngine:
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
             num_cached_tokens=max(req.num_cached_tokens, 0), metrics=metrics,
+            held_block_ids=req.held_block_ids if finished else None,
         )
 
     # -- introspection ----------------------------------------------------

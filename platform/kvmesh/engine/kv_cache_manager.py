@@ -41,6 +41,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # Blocks of finished requests kept alive for a consumer (P/D transfer), by id.
+        self.held: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are registered in the cache.
         self._num_cached: dict[str, int] = {}
         # Prefix-cache stats (queried tokens, hit tokens) for metrics.
@@ -130,6 +132,21 @@ class KVCacheManager:
         self._num_cached.pop(request.request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
+
+    def hold(self, request: Request) -> list[int]:
+        """Detach a finishing request's blocks and keep their references under its id
+        until `release`, so a consumer (a decode worker's pull) can still read them."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached.pop(request.request_id, None)
+        self.held[request.request_id] = blocks
+        return [b.block_id for b in blocks]
+
+    def release(self, hold_id: str) -> bool:
+        blocks = self.held.pop(hold_id, None)
+        if blocks is None:
+            return False
+        self.pool.free_blocks(reversed(blocks))
+        return True
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]

@@ -85,3 +85,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # For requests added with hold_kv: the block table kept after finishing (the KV
+    # of every token but the last), to be read and then `release_kv`-ed.
+    held_block_ids: list[int] | None = None

@@ -58,6 +58,9 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
+        # Keep the KV blocks after finishing (until released) instead of freeing them.
+        self.hold_kv = False
+        self.held_block_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

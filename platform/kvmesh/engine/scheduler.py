@@ -13,10 +13,31 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from kvmesh.engine.request import Request, RequestStatus
+
+
+class KVLoader(Protocol):
+    """Source of KV computed elsewhere (a shared store, a prefill worker).
+
+    At admission the scheduler asks how many tokens past the local prefix-cache hit
+    the loader can supply, allocates blocks for them, and has the loader write them
+    before the step runs; those tokens then count as computed. Injected by the
+    engine, so the scheduler stays free of tensors and I/O.
+    """
+
+    def lookup(self, request: Request, num_local_tokens: int) -> int:
+        """Tokens after the first `num_local_tokens` that can be loaded (may be 0)."""
+        ...
+
+    def load(self, request: Request, block_ids: list[int], start: int, num_tokens: int) -> int:
+        """Write KV of tokens [start, start + num_tokens) into the request's blocks
+        (`block_ids` is its whole table); returns how many tokens were really loaded
+        (a prefix of the promised ones; fewer on a fault)."""
+        ...
 
 
 @dataclass
@@ -53,6 +74,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        self.kv_loader: KVLoader | None = None
 
     # -- queue management -------------------------------------------------
 
@@ -79,7 +101,10 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv.free(req)
+        if req.hold_kv and status != RequestStatus.FINISHED_ABORTED:
+            req.held_block_ids = self.kv.hold(req)
+        else:
+            self.kv.free(req)
         del self.requests[req.request_id]
         self._finished_ids.add(req.request_id)
 
@@ -123,15 +148,27 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 prefix = self.kv.get_computed_blocks(req)
-                num_new = min(req.num_tokens - prefix.num_tokens, budget)
-                if self.kv.allocate_slots(req, num_new, prefix) is None:
+                # Loaded KV costs no compute budget; at least one token is always left
+                # to compute so the step produces logits.
+                num_ext = 0
+                if self.kv_loader is not None:
+                    num_ext = min(self.kv_loader.lookup(req, prefix.num_tokens),
+                                  req.num_tokens - 1 - prefix.num_tokens)
+                num_new = min(req.num_tokens - prefix.num_tokens - num_ext, budget)
+                if self.kv.allocate_slots(req, num_ext + num_new, prefix) is None:
                     break
+                if num_ext:
+                    got = self.kv_loader.load(req, self.kv.get_block_ids(req.request_id),
+                                              prefix.num_tokens, num_ext)
+                    if got < num_ext:  # fault mid-load: compute the rest ourselves
+                        num_new = min(num_new + num_ext - got, budget)
+                        num_ext = got
                 self.waiting.popleft()
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
-                req.num_computed_tokens = prefix.num_tokens
+                req.num_computed_tokens = prefix.num_tokens + num_ext
                 if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = prefix.num_tokens
+                    req.num_cached_tokens = prefix.num_tokens + num_ext
                 scheduled.append((req, num_new))
                 budget -= num_new
 

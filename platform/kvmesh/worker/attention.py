@@ -42,6 +42,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_table: torch.Tensor | None  # (Bd, max_blocks) int64, padded with block 0
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_blocks * block_size) bool
+    decode_context_lens: torch.Tensor | None  # (Bd,) int64
     # Everything else (prefill chunks), each attended separately.
     prefills: list[SeqSpan]
     prefill_block_tables: list[torch.Tensor | None]  # None: fresh prefill, no cache read
@@ -63,6 +64,10 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
+    """Reference backend: gathers each batch's blocks, then SDPA. Runs on any device."""
+
+    needs_decode_mask = True
+
     def __init__(self, block_size: int, device: torch.device):
         self.block_size = block_size
         self.device = device
@@ -76,7 +81,7 @@ class TorchAttentionBackend:
             slots.append(table[pos // bs] * bs + pos % bs)
         slot_mapping = torch.from_numpy(np.concatenate(slots)).to(self.device)
 
-        decode_table = decode_mask = None
+        decode_table = decode_mask = decode_lens = None
         if num_decodes:
             dec = spans[:num_decodes]
             nblk = max(-(-s.ctx_len // bs) for s in dec)
@@ -87,8 +92,10 @@ class TorchAttentionBackend:
                 table[i, :n] = s.block_ids[:n]
                 ctx[i] = s.ctx_len
             decode_table = torch.from_numpy(table).to(self.device)
-            mask = np.arange(nblk * bs)[None, :] < ctx[:, None]
-            decode_mask = torch.from_numpy(mask).to(self.device)[:, None, None, :]
+            decode_lens = torch.from_numpy(ctx).to(self.device)
+            if self.needs_decode_mask:
+                mask = np.arange(nblk * bs)[None, :] < ctx[:, None]
+                decode_mask = torch.from_numpy(mask).to(self.device)[:, None, None, :]
 
         prefills = spans[num_decodes:]
         tables: list[torch.Tensor | None] = []
@@ -105,7 +112,7 @@ class TorchAttentionBackend:
             k_pos = torch.arange(s.ctx_len, device=self.device)[None, :]
             masks.append(k_pos <= q_pos)
         return AttentionMetadata(
-            slot_mapping, num_decodes, decode_table, decode_mask, prefills, tables, masks
+            slot_mapping, num_decodes, decode_table, decode_mask, decode_lens, prefills, tables, masks
         )
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -117,20 +124,9 @@ class TorchAttentionBackend:
         k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        h = q.shape[1]
-        group = h // kvh
         nd = meta.num_decodes
         if nd:
-            # (Bd * nblk, bs, KVH, D) -> (Bd, KVH, nblk*bs, D). index_select on whole
-            # blocks is a row memcpy (4x faster here than advanced indexing).
-            table = meta.decode_block_table
-            kd = k_cache.index_select(0, table.flatten()).view(nd, -1, kvh, d).transpose(1, 2)
-            vd = v_cache.index_select(0, table.flatten()).view(nd, -1, kvh, d).transpose(1, 2)
-            # GQA without repeating K/V: the G query heads sharing a KV head act as G
-            # query rows of that head. qd: (Bd, KVH, G, D)
-            qd = q[:nd].view(nd, kvh, group, d)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-            out[:nd] = o.reshape(nd, h, d)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         for s, table, mask in zip(meta.prefills, meta.prefill_block_tables, meta.prefill_masks):
             sl = slice(s.q_start, s.q_start + s.q_len)
             qs = q[sl].transpose(0, 1)  # (H, L, D)
@@ -144,9 +140,51 @@ class TorchAttentionBackend:
             out[sl] = o.transpose(0, 1)
         return out
 
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: (Bd, H, D) one token per sequence -> (Bd, H, D)."""
+        nd, h, d = q.shape
+        kvh = k_cache.shape[2]
+        # (Bd * nblk, bs, KVH, D) -> (Bd, KVH, nblk*bs, D). index_select on whole
+        # blocks is a row memcpy (4x faster here than advanced indexing).
+        table = meta.decode_block_table.flatten()
+        kd = k_cache.index_select(0, table).view(nd, -1, kvh, d).transpose(1, 2)
+        vd = v_cache.index_select(0, table).view(nd, -1, kvh, d).transpose(1, 2)
+        # GQA without repeating K/V: the G query heads sharing a KV head act as G
+        # query rows of that head. qd: (Bd, KVH, G, D)
+        qd = q.view(nd, kvh, h // kvh, d)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        return o.reshape(nd, h, d)
+
+
+class CpuPagedAttentionBackend(TorchAttentionBackend):
+    """CPU backend: decode attention by a C++ kernel that reads K/V in place through
+    the block tables (no gather copy, no padding); prefill chunks as in the reference."""
+
+    needs_decode_mask = False
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return torch.ops.kvmesh.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_table, meta.decode_context_lens, scale
+        )
+
+
+BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuPagedAttentionBackend}
+
 
 def get_attention_backend(name: str, block_size: int, device: torch.device) -> AttentionBackend:
-    backends = {"torch": TorchAttentionBackend}
-    if name not in backends:
-        raise ValueError(f"attention backend {name!r} unknown; choose from {sorted(backends)}")
-    return backends[name](block_size, device)
+    """`auto` picks the fastest backend that works on `device`."""
+    if name == "auto":
+        name = "torch"
+        if device.type == "cpu":
+            from kvmesh.worker import cpu_kernels
+
+            if cpu_kernels.load():
+                name = "cpu"
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} unknown; choose from {sorted(BACKENDS)} or auto")
+    if name == "cpu":
+        from kvmesh.worker import cpu_kernels
+
+        if not cpu_kernels.load():
+            raise ValueError("attention backend 'cpu' needs the C++ kernels, which failed to build")
+    return BACKENDS[name](block_size, device)

@@ -37,7 +37,7 @@ class KVCacheSpec:
 
 class ModelRunner:
     def __init__(self, model, arch: ArchConfig, block_size: int, num_blocks: int,
-                 device: torch.device, seed: int = 0, attention_backend: str = "torch"):
+                 device: torch.device, seed: int = 0, attention_backend: str = "auto"):
         self.model = model
         self.arch = arch
         self.device = device
@@ -111,3 +111,21 @@ class ModelRunner:
         if return_logits:
             out.logits = {s.request_id: raw[i] for i, s in enumerate(rows)}
         return out
+
+    # -- KV block I/O (prefix store, P/D transfer) --------------------------
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the KV of `block_ids`: (num_layers, 2, n, block_size, kv_heads, head_dim)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+                            for k, v in self.kv_caches])
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of read_blocks: data (num_layers, 2, n, block_size, kv_heads, head_dim)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = data.to(device=self.device, dtype=self.dtype)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, idx, data[layer, 0])
+            v.index_copy_(0, idx, data[layer, 1])

@@ -1,0 +1,48 @@
+"""Build-on-first-use C++ kernels for the CPU path (see csrc/).
+
+Compiled once per machine with torch's cpp_extension into its cache folder
+(~/.cache/torch_extensions; ~1 minute on 2 cores the first time, instant after).
+If no compiler is available, or KVMESH_CPU_KERNELS=0, callers fall back to the pure
+PyTorch reference path: the kernels are an optimization, never a requirement.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def load() -> bool:
+    """Load (building if needed) the kernels; True when torch.ops.kvmesh is usable."""
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        ok = False
+        if os.environ.get("KVMESH_CPU_KERNELS", "1") != "0":
+            try:
+                from torch.utils.cpp_extension import load as build
+
+                src = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+                build(
+                    name="kvmesh_cpu_kernels",
+                    sources=[str(src)],
+                    # Reassociation lets gcc vectorize the dot-product reductions.
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math",
+                                  "-fno-signed-zeros", "-fno-trapping-math"],
+                    extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
+                    verbose=False,
+                )
+                ok = hasattr(torch.ops.kvmesh, "paged_decode_attention")
+            except Exception as exc:  # no compiler, headers, ...: use the torch path
+                logger.warning("kvmesh CPU kernels unavailable (%s); using the PyTorch path", exc)
+        _state["ok"] = ok
+        return ok
