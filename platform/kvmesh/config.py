@@ -52,12 +52,36 @@ class SchedulerConfig(_Base):
     )
 
 
+class PromptCacheEntry(_Base):
+    """A prompt whose KV is computed at startup and pinned (see LLMEngine.cache_prompt)."""
+
+    name: str = Field(..., min_length=1)
+    text: str | None = Field(None, description="Prompt text (tokenized with the model's tokenizer).")
+    token_ids: list[int] | None = Field(None, description="Or the prompt as token ids.")
+    ttl_s: float | None = Field(None, gt=0, description="Unpin after this many seconds; None = until uncached.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "PromptCacheEntry":
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("prompt_cache entry: give exactly one of text or token_ids")
+        return self
+
+
 class EngineConfig(_Base):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on CPU; None keeps torch's default."
+    )
+    kv_store: str | None = Field(
+        None,
+        description="Shared KV block store: 'memory', 'memory://?max_bytes=N' or "
+        "'redis://host:port/db?timeout_ms=50&breaker_cooldown_s=5'. None: local prefix cache only.",
+    )
+    kv_store_ttl_s: float | None = Field(3600.0, gt=0, description="TTL of blocks written to the store.")
+    prompt_cache: list[PromptCacheEntry] = Field(
+        default_factory=list, description="Prompts to compute and pin at startup."
     )
     attention_backend: Literal["auto", "torch", "cpu"] = Field(
         "auto", description="auto: C++ paged kernels on CPU when they build, else the PyTorch reference."

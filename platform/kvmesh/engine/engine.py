@@ -89,6 +89,22 @@ class LLMEngine:
                                   attention_backend=config.attention_backend)
         self.eos_token_id = self._eos_token_id()
         self._states: dict[str, _OutputState] = {}
+        # Outputs of other requests produced while cache_prompt drove the engine.
+        self._buffered: list[RequestOutput] = []
+        # name -> (hold id, store keys of its full blocks, expiry or None)
+        self._pinned: dict[str, tuple[str, list[bytes], float | None]] = {}
+        self.kv_connector = None
+        if config.kv_store:
+            from kvmesh.kvstore import BlockCodec, create_store
+            from kvmesh.kvstore.connector import StoreConnector
+
+            codec = BlockCodec(self.fingerprint, mc.dtype, cc.block_size, arch.num_layers,
+                               arch.num_kv_heads, arch.head_dim)
+            self.kv_connector = StoreConnector(create_store(config.kv_store), codec, self.kv_manager,
+                                               self.runner, config.kv_store_ttl_s)
+            self.scheduler.kv_loader = self.kv_connector
+        for entry in config.prompt_cache:
+            self.cache_prompt(entry.name, entry.text if entry.text is not None else entry.token_ids, entry.ttl_s)
         logger.info("kvmesh engine: %s, %d KV blocks x %d tokens, max_model_len %d",
                     self.model_path, num_blocks, cc.block_size, max_model_len)
 
@@ -176,9 +192,11 @@ class LLMEngine:
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
             self._states.pop(rid, None)
+            if self.kv_connector is not None:
+                self.kv_connector.forget(rid)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._buffered)
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks a hold_kv request kept; False if none are held under the id."""
@@ -187,9 +205,21 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns outputs of requests that produced tokens."""
+        if self._buffered:
+            outputs, self._buffered = self._buffered, []
+            return outputs
+        return self._step_once()
+
+    def _step_once(self) -> list[RequestOutput]:
+        self._expire_pins()
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)
         results = self.scheduler.update_from_output(sched, runner_out)
+        if self.kv_connector is not None and sched.seqs:
+            live = dict(self.scheduler.requests)
+            live.update((r.request.request_id, r.request) for r in results)
+            self.kv_connector.save_after_step(sched, live)
         now = time.monotonic()
         outputs = []
         for res in results:
@@ -233,6 +263,68 @@ class LLMEngine:
             held_block_ids=req.held_block_ids if finished else None,
         )
 
+    # -- prompt cache -------------------------------------------------------
+
+    def cache_prompt(self, name: str, prompt: str | list[int], ttl_s: float | None = None) -> int:
+        """Compute a prompt's KV once and pin it: its blocks stay referenced locally (never
+        evicted; every request starting with this prompt hits them) and its full blocks
+        are written to the KV store without TTL. Returns the number of pinned tokens.
+
+        Drives the engine until the prompt is computed; other requests progress too and
+        their outputs are returned by the next `step()` calls.
+        """
+        if not name:
+            raise InvalidRequestError("name", "prompt cache entries need a non-empty name")
+        self.uncache_prompt(name)
+        rid = f"__prompt_cache__:{name}"
+        self.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
+        final = None
+        while final is None:
+            for out in self._step_once():
+                if out.request_id == rid:
+                    final = out if out.finished else None
+                else:
+                    self._buffered.append(out)
+        ids = final.prompt_token_ids
+        keys: list[bytes] = []
+        if self.kv_connector is not None:
+            from kvmesh.engine.hashing import block_hashes
+            from kvmesh.kvstore.codec import block_key
+
+            hashes = block_hashes(ids, self.kv_manager.block_size, self.fingerprint)
+            keys = [block_key(self.fingerprint, h) for h in hashes]
+            self.kv_connector.flush()
+            data = self.runner.read_blocks(final.held_block_ids[: len(hashes)])
+            from kvmesh.kvstore.connector import block_to_bytes
+
+            items = [(k, self.kv_connector.codec.encode(block_to_bytes(data[:, :, i]))) for i, k in enumerate(keys)]
+            self.kv_connector.store.put_many(items, None)
+            self.kv_connector.store.pin(keys)
+        expires = None if ttl_s is None else time.monotonic() + ttl_s
+        self._pinned[name] = (rid, keys, expires)
+        return len(ids) // self.kv_manager.block_size * self.kv_manager.block_size
+
+    def uncache_prompt(self, name: str) -> bool:
+        """Release a pinned prompt: local blocks become evictable, store keys get a TTL."""
+        entry = self._pinned.pop(name, None)
+        if entry is None:
+            return False
+        rid, keys, _ = entry
+        self.kv_manager.release(rid)
+        if self.kv_connector is not None and keys:
+            self.kv_connector.store.unpin(keys, self.config.kv_store_ttl_s)
+        return True
+
+    def _expire_pins(self) -> None:
+        now = time.monotonic()
+        for name, (_, _, expires) in list(self._pinned.items()):
+            if expires is not None and now >= expires:
+                self.uncache_prompt(name)
+
+    @property
+    def pinned_prompts(self) -> list[str]:
+        return list(self._pinned)
+
     # -- introspection ----------------------------------------------------
 
     @property
@@ -254,4 +346,6 @@ class LLMEngine:
             "prefix_query_tokens": kv.query_tokens,
             "prefix_hit_tokens": kv.hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_pinned_prompts": len(self._pinned),
+            **(self.kv_connector.stats() if self.kv_connector is not None else {}),
         }
