@@ -29,6 +29,15 @@ class ModelConfig(_Base):
         None, ge=2, description="Max prompt + output tokens per request; defaults to the model's limit."
     )
     seed: int = Field(0, description="Seed of the engine-wide generator used by unseeded requests.")
+    quantization: Literal["int8", "int4"] | None = Field(
+        None,
+        description="Quantize a float checkpoint's weights at load (kvmesh.quant): int8 per output "
+        "channel or int4 per group. Checkpoints saved quantized (kvmesh quantize, GPTQ, AWQ) load "
+        "quantized without it.",
+    )
+    quantization_group_size: int | None = Field(
+        None, description="int4 group size: 32 (default), 64 or 128. Only with quantization=int4."
+    )
 
 
 class CacheConfig(_Base):
@@ -50,6 +59,33 @@ class SchedulerConfig(_Base):
     max_num_batched_tokens: int = Field(
         1024, ge=1, description="Token budget per step; longer prompts are prefilled in chunks."
     )
+
+
+class SpeculativeConfig(_Base):
+    """Speculative decoding: a proposer drafts tokens, the target verifies them losslessly."""
+
+    method: Literal["ngram", "draft"] = Field(..., description="ngram (prompt lookup) or draft (a model).")
+    model: str | None = Field(
+        None, description="Draft checkpoint folder (same tokenizer as the target), or 'self' to "
+        "draft with the target itself (every draft accepted: a correctness check).",
+    )
+    quantization: str | None = Field(None, description="Quantize the draft model at load (see quant).")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Draft tokens per step (k).")
+    ngram_min: int = Field(1, ge=1, description="Shortest n-gram to match (ngram method).")
+    ngram_max: int = Field(4, ge=1, description="Longest n-gram to match (ngram method).")
+    max_batch_size: int = Field(
+        8, ge=1,
+        description="Speculate only while at most this many requests run: at larger batches the "
+        "step is compute-bound and verifying drafts costs more than it saves.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeConfig":
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative.model: the draft method needs a draft checkpoint folder (or 'self')")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("speculative.ngram_min must be <= ngram_max")
+        return self
 
 
 class PromptCacheEntry(_Base):
@@ -83,6 +119,7 @@ class EngineConfig(_Base):
     prompt_cache: list[PromptCacheEntry] = Field(
         default_factory=list, description="Prompts to compute and pin at startup."
     )
+    speculative: SpeculativeConfig | None = Field(None, description="Speculative decoding; None = off.")
     attention_backend: Literal["auto", "torch", "cpu"] = Field(
         "auto", description="auto: C++ paged kernels on CPU when they build, else the PyTorch reference."
     )

@@ -76,12 +76,12 @@ def test_loaded_kv_gives_identical_output_and_skips_compute(tiny_llama, fail_aft
     assert seq.start_pos == loaded and seq.num_tokens == 26 - loaded  # only the tail is computed
     out = dst.runner.execute(sched)
     dst.scheduler.update_from_output(sched, out)
-    tokens = list(out.sampled_token_ids.values())
+    tokens = [t for ts in out.sampled_token_ids.values() for t in ts]
     while dst.has_unfinished():
         sched = dst.scheduler.schedule()
         out = dst.runner.execute(sched)
         dst.scheduler.update_from_output(sched, out)
-        tokens += list(out.sampled_token_ids.values())
+        tokens += [t for ts in out.sampled_token_ids.values() for t in ts]
     assert tokens == expected
     dst._states.clear()
     assert dst.num_free_blocks == dst.num_usable_blocks

@@ -21,7 +21,7 @@ def req(rid, n, max_tokens=4, start=100):
 
 def run_step(sched, token=7):
     out = sched.schedule()
-    toks = {s.request_id: token for s in out.seqs if s.sample}
+    toks = {s.request_id: [token] for s in out.seqs if s.sample}
     return out, sched.update_from_output(out, ModelRunnerOutput(toks))
 
 

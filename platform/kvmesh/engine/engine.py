@@ -40,6 +40,7 @@ class LLMEngine:
         import torch
 
         from kvmesh.models.loader import load_model, load_tokenizer, model_fingerprint, resolve_model_path
+        from kvmesh.quant.loader import quantization_id
         from kvmesh.worker.model_runner import _DTYPES, KVCacheSpec, ModelRunner
 
         self.config = config = config or EngineConfig()
@@ -67,7 +68,8 @@ class LLMEngine:
             )
         max_model_len = mc.max_model_len or limit
 
-        self.model, self.arch = load_model(self.model_path, dtype, device, max_model_len + 1)
+        self.model, self.arch = load_model(self.model_path, dtype, device, max_model_len + 1,
+                                           mc.quantization, mc.quantization_group_size)
         spec = KVCacheSpec(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype)
         num_blocks = cc.num_blocks or self._auto_num_blocks(spec, device)
         capacity = (num_blocks - 1) * cc.block_size
@@ -81,7 +83,9 @@ class LLMEngine:
             max_model_len = capacity
         self.max_model_len = max_model_len
         self.fingerprint = model_fingerprint(
-            self.model_path, {"dtype": mc.dtype, "block_size": cc.block_size, "quantization": None}
+            self.model_path, {"dtype": mc.dtype, "block_size": cc.block_size,
+                              "quantization": quantization_id(self.model_path, mc.quantization,
+                                                              mc.quantization_group_size)}
         )
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, self.fingerprint, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_seqs, sc.max_num_batched_tokens, max_model_len)
@@ -103,10 +107,59 @@ class LLMEngine:
             self.kv_connector = StoreConnector(create_store(config.kv_store), codec, self.kv_manager,
                                                self.runner, config.kv_store_ttl_s)
             self.scheduler.kv_loader = self.kv_connector
+        self.proposer = None
+        self._draft_probs: dict = {}
+        self.spec_counters = {"proposed": 0, "accepted": 0, "verify_steps": 0}
+        if config.speculative is not None:
+            self.proposer = self._build_proposer(config.speculative, dtype, device, max_model_len, num_blocks)
         for entry in config.prompt_cache:
             self.cache_prompt(entry.name, entry.text if entry.text is not None else entry.token_ids, entry.ttl_s)
         logger.info("kvmesh engine: %s, %d KV blocks x %d tokens, max_model_len %d",
                     self.model_path, num_blocks, cc.block_size, max_model_len)
+
+    def _build_proposer(self, spec, dtype, device, max_model_len: int, num_blocks: int):
+        from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
+
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+        from kvmesh.models.loader import load_model, resolve_model_path
+        from kvmesh.worker.model_runner import ModelRunner
+
+        if spec.quantization is not None:
+            raise ConfigError("speculative.quantization: quantized drafts need kvmesh.quant (not available yet)")
+        if spec.model == "self":
+            draft, arch = self.model, self.arch
+        else:
+            draft, arch = load_model(resolve_model_path(spec.model), dtype, device,
+                                     max_model_len + spec.num_speculative_tokens + 1)
+            if arch.vocab_size != self.arch.vocab_size:
+                raise ConfigError(
+                    f"speculative.model: draft vocab {arch.vocab_size} != target vocab "
+                    f"{self.arch.vocab_size}; a draft must share the target's tokenizer")
+        runner = ModelRunner(draft, arch, self.kv_manager.block_size, num_blocks, device,
+                             seed=self.config.model.seed + 1, attention_backend=self.config.attention_backend)
+        return DraftModelProposer(runner, spec.num_speculative_tokens)
+
+    def _propose(self) -> None:
+        """Draft tokens for the next step of every request that is decoding."""
+        spec = self.config.speculative
+        running = self.scheduler.running
+        if self.proposer is None or not running or len(running) > spec.max_batch_size:
+            return
+        k = spec.num_speculative_tokens
+        cands = [r for r in running
+                 if r.num_computed_tokens == r.num_tokens - 1 and r.sampling_params.can_speculate
+                 and r.num_output_tokens < r.sampling_params.max_tokens - 1]
+        if self.proposer.method == "draft":
+            # The draft writes KV at the k draft positions: reserve the target's slots
+            # now (the next schedule needs exactly these for 1 + k tokens anyway).
+            cands = [r for r in cands if self.kv_manager.allocate_slots(r, 1 + k) is not None]
+        if not cands:
+            return
+        tables = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in cands}
+        for rid, prop in self.proposer.propose(cands, tables, k).items():
+            self.scheduler.requests[rid].spec_token_ids = prop.token_ids
+            self._draft_probs[rid] = prop.probs
 
     @classmethod
     def from_kwargs(cls, progress: bool = True, **kwargs) -> "LLMEngine":
@@ -194,6 +247,8 @@ class LLMEngine:
             self._states.pop(rid, None)
             if self.kv_connector is not None:
                 self.kv_connector.forget(rid)
+            if self.proposer is not None:
+                self.proposer.forget(rid)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._buffered)
@@ -214,8 +269,19 @@ class LLMEngine:
     def _step_once(self) -> list[RequestOutput]:
         self._expire_pins()
         sched = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched)
+        runner_out = self.runner.execute(sched, draft_probs=self._draft_probs)
+        self._draft_probs = {}
         results = self.scheduler.update_from_output(sched, runner_out)
+        for seq in sched.seqs:
+            if seq.spec_token_ids and seq.request_id in runner_out.sampled_token_ids:
+                self.spec_counters["proposed"] += len(seq.spec_token_ids)
+                self.spec_counters["accepted"] += len(runner_out.sampled_token_ids[seq.request_id]) - 1
+                self.spec_counters["verify_steps"] += 1
+        if self.proposer is not None:
+            for res in results:
+                if res.finished:
+                    self.proposer.forget(res.request.request_id)
+            self._propose()
         if self.kv_connector is not None and sched.seqs:
             live = dict(self.scheduler.requests)
             live.update((r.request.request_id, r.request) for r in results)
@@ -327,6 +393,20 @@ class LLMEngine:
 
     # -- introspection ----------------------------------------------------
 
+    def _spec_stats(self) -> dict[str, float]:
+        if self.proposer is None:
+            return {}
+        c = self.spec_counters
+        return {
+            "spec_method": self.proposer.method,
+            "spec_proposed_tokens": c["proposed"],
+            "spec_accepted_tokens": c["accepted"],
+            "spec_acceptance_rate": c["accepted"] / c["proposed"] if c["proposed"] else 0.0,
+            # tokens emitted per verification step (accepted drafts + 1)
+            "spec_mean_accepted_length": (c["accepted"] + c["verify_steps"]) / c["verify_steps"]
+            if c["verify_steps"] else 0.0,
+        }
+
     @property
     def num_free_blocks(self) -> int:
         return self.kv_manager.num_free_blocks
@@ -347,5 +427,6 @@ class LLMEngine:
             "prefix_hit_tokens": kv.hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_pinned_prompts": len(self._pinned),
+            **self._spec_stats(),
             **(self.kv_connector.stats() if self.kv_connector is not None else {}),
         }

@@ -23,6 +23,8 @@ class ScheduledSeq:
     # Read-only views for penalties (prompt + output so far).
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # Draft tokens appended to token_ids for verification (the last len() of them).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -57,10 +59,14 @@ class TokenLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]
+    # Per sampling request: the new tokens (one, or with speculation the accepted
+    # drafts plus one corrected / bonus token).
+    sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # Raw (V,) logits per sampled request; only when the runner is asked (tests, debug).
     logits: dict[str, object] | None = None
+    # (V,) sampling distributions per sampled request (draft models; when asked).
+    probs: dict[str, object] | None = None
 
 
 @dataclass

@@ -58,6 +58,10 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
+        # Draft tokens proposed for the next step (verified by the target, then cleared).
+        self.spec_token_ids: list[int] = []
+        self.num_spec_proposed = 0
+        self.num_spec_accepted = 0
         # Keep the KV blocks after finishing (until released) instead of freeing them.
         self.hold_kv = False
         self.held_block_ids: list[int] | None = None

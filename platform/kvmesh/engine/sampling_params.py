@@ -34,6 +34,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    # Let the engine speculate for this request (when speculative decoding is on).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +76,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def can_speculate(self) -> bool:
+        """Penalties and logprobs are position-dependent outputs the verifier does not
+        reproduce per draft position; such requests decode one token at a time."""
+        return self.speculative and not self.needs_penalties and self.logprobs is None
 
     @property
     def needs_penalties(self) -> bool:

@@ -123,13 +123,22 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, list[int]]] = []
         preempted: list[Request] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = req.num_tokens - req.num_computed_tokens
+            spec: list[int] = []
+            if num_new == 1 and req.spec_token_ids:
+                # Drafts ride along with the decode token; never past the budget, the
+                # context limit, or the request's remaining max_tokens.
+                room = min(budget - 1, self.max_model_len - req.num_tokens,
+                           req.sampling_params.max_tokens - req.num_output_tokens - 1)
+                spec = req.spec_token_ids[: max(room, 0)]
+            req.spec_token_ids = []
+            num_new = min(num_new + len(spec), budget)
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -137,7 +146,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append((req, num_new))
+                scheduled.append((req, num_new, spec))
                 budget -= num_new
                 i += 1
                 continue
@@ -169,22 +178,24 @@ class Scheduler:
                 req.num_computed_tokens = prefix.num_tokens + num_ext
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = prefix.num_tokens + num_ext
-                scheduled.append((req, num_new))
+                scheduled.append((req, num_new, []))
                 budget -= num_new
 
         seqs = []
-        for req, n in scheduled:
+        for req, n, spec in scheduled:
             start = req.num_computed_tokens
+            real = n - len(spec)
             seqs.append(
                 ScheduledSeq(
                     request_id=req.request_id,
-                    token_ids=req.all_token_ids[start : start + n],
+                    token_ids=req.all_token_ids[start : start + real] + spec,
                     start_pos=start,
                     block_ids=self.kv.get_block_ids(req.request_id),
-                    sample=start + n == req.num_tokens,
+                    sample=start + real == req.num_tokens,
                     sampling_params=req.sampling_params,
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=req.output_token_ids,
+                    spec_token_ids=spec,
                 )
             )
             # Tokens count as computed once scheduled; the step that runs them is
@@ -217,15 +228,27 @@ class Scheduler:
             req = self.requests.get(seq.request_id)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
-            token = runner_out.sampled_token_ids.get(seq.request_id)
-            if token is None:
+            tokens = runner_out.sampled_token_ids.get(seq.request_id)
+            if tokens is None:
                 continue  # a prefill chunk that does not reach the end of the prompt
-            req.append_output_token(token)
-            status = self._check_stop(req, token)
+            if seq.spec_token_ids:
+                # Roll back the slots of rejected drafts: their KV is garbage and will be
+                # overwritten. Accepted drafts = all new tokens but the last.
+                accepted = len(tokens) - 1
+                req.num_computed_tokens -= len(seq.spec_token_ids) - accepted
+                req.num_spec_proposed += len(seq.spec_token_ids)
+                req.num_spec_accepted += accepted
+            new, status = [], None
+            for token in tokens:
+                req.append_output_token(token)
+                new.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
-            results.append(StepResult(req, [token], status is not None))
+            results.append(StepResult(req, new, status is not None))
         return results
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

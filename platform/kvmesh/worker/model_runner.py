@@ -17,6 +17,7 @@ from kvmesh.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledS
 from kvmesh.models.arch import ArchConfig
 from kvmesh.worker.attention import SeqSpan, get_attention_backend
 from kvmesh.worker.sampler import sample
+from kvmesh.worker.spec_decode import verify
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,10 +68,16 @@ class ModelRunner:
             self._req_generators[seq.request_id] = g
         return g
 
+    def forget(self, request_id: str) -> None:
+        self._req_generators.pop(request_id, None)
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, return_logits: bool = False) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, return_logits: bool = False, return_probs: bool = False,
+                draft_probs: dict[str, torch.Tensor | None] | None = None) -> ModelRunnerOutput:
         """Run the step. `return_logits` (tests, debugging) fills the output's `logits`
-        with {request_id: (V,) float32 tensor}."""
+        with {request_id: (V,) float32 tensor}; `return_probs` fills `probs` with the
+        distributions sampling rows were drawn from (draft models). Sequences with
+        spec_token_ids are verified (see spec_decode.verify) with `draft_probs`."""
         for rid in sched.finished_req_ids:
             self._req_generators.pop(rid, None)
         if sched.is_empty:
@@ -90,26 +97,41 @@ class ModelRunner:
         meta = self.backend.build_metadata(spans, num_decodes)
 
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        sampling = [(i, s) for i, s in enumerate(seqs) if s.sample]
+        sampling = [(i, s) for i, s in enumerate(seqs) if s.sample and not s.spec_token_ids]
+        speculating = [(i, s) for i, s in enumerate(seqs) if s.sample and s.spec_token_ids]
+        out = ModelRunnerOutput({}, logits={} if return_logits else None)
+        if speculating:
+            # logits at the last k + 1 positions: they predict draft_1..draft_k and the bonus
+            idx = torch.cat([torch.arange(spans[i].q_start + spans[i].q_len - len(s.spec_token_ids) - 1,
+                                          spans[i].q_start + spans[i].q_len) for i, s in speculating])
+            spec_logits = self.model.compute_logits(hidden[idx.to(self.device)])
+            row = 0
+            for _, s in speculating:
+                k = len(s.spec_token_ids)
+                q = (draft_probs or {}).get(s.request_id)
+                out.sampled_token_ids[s.request_id] = verify(
+                    spec_logits[row : row + k + 1], s.spec_token_ids, q, s.sampling_params, self._generator_for(s))
+                row += k + 1
         if not sampling:
-            return ModelRunnerOutput({}, logits={} if return_logits else None)
+            return out
         last = torch.tensor([spans[i].q_start + spans[i].q_len - 1 for i, _ in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[last])
         raw = logits.clone() if return_logits else None
         rows = [s for _, s in sampling]
-        tokens, logprobs = sample(
+        tokens, logprobs, probs = sample(
             logits,
             [s.sampling_params for s in rows],
             [self._generator_for(s) for s in rows],
             self.generator,
             [(s.prompt_token_ids, s.output_token_ids) for s in rows],
+            return_probs=return_probs,
         )
-        out = ModelRunnerOutput(
-            {s.request_id: t for s, t in zip(rows, tokens)},
-            {s.request_id: lp for s, lp in zip(rows, logprobs) if lp is not None},
-        )
+        out.sampled_token_ids.update({s.request_id: [t] for s, t in zip(rows, tokens)})
+        out.logprobs = {s.request_id: lp for s, lp in zip(rows, logprobs) if lp is not None}
         if return_logits:
             out.logits = {s.request_id: raw[i] for i, s in enumerate(rows)}
+        if return_probs and probs is not None:
+            out.probs = {s.request_id: probs[i] for i, s in enumerate(rows) if not s.sampling_params.greedy}
         return out
 
     # -- KV block I/O (prefix store, P/D transfer) --------------------------

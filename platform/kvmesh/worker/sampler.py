@@ -52,14 +52,23 @@ def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return x
 
 
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k / min-p / top-p."""
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                         device=logits.device, dtype=logits.dtype)
+    return _filter(logits / temps[:, None], params).softmax(-1)
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None,
     penalty_inputs: list[tuple[list[int], list[int]]] | None = None,
-) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: (B, V) float32, modified in place. Returns token ids and logprobs."""
+    return_probs: bool = False,
+) -> tuple[list[int], list[TokenLogprobs | None], torch.Tensor | None]:
+    """logits: (B, V) float32, modified in place. Returns token ids, logprobs and (when
+    asked, for sampling rows) the distributions the tokens were drawn from."""
     for row, p in enumerate(params):
         if p.needs_penalties:
             apply_penalties(logits, row, p, *penalty_inputs[row])
@@ -67,13 +76,11 @@ def sample(
     logprobs = logits.log_softmax(-1) if any(want_lp) else None
 
     greedy = [p.greedy for p in params]
+    probs = None
     if all(greedy):
         tokens = logits.argmax(-1)
     else:
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                             device=logits.device, dtype=logits.dtype)
-        x = _filter(logits / temps[:, None], params)
-        probs = x.softmax(-1)
+        probs = processed_probs(logits, params)
         noise = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
@@ -98,4 +105,4 @@ def sample(
                 vals, ids = logprobs[i].topk(p.logprobs)
                 top = list(zip(ids.tolist(), vals.tolist()))
             out_lp[i] = TokenLogprobs(token_list[i], float(logprobs[i, token_list[i]]), top)
-    return token_list, out_lp
+    return token_list, out_lp, (probs if return_probs else None)
