@@ -43,6 +43,7 @@ def draft_model(model_factory):
     {"method": "ngram", "num_speculative_tokens": 4},
     {"method": "draft", "model": "self", "num_speculative_tokens": 3},
     {"method": "draft", "model": "DRAFT", "num_speculative_tokens": 2},
+    {"method": "draft", "model": "self", "quantization": "int4", "num_speculative_tokens": 3},
 ])
 def test_greedy_identical_to_no_speculation_and_transformers(tiny_llama, draft_model, spec):
     from transformers import AutoModelForCausalLM
@@ -57,8 +58,8 @@ def test_greedy_identical_to_no_speculation_and_transformers(tiny_llama, draft_m
     assert got[1] == hf_greedy(hf, prompts[1], 24)
     stats = llm.engine.stats()
     assert stats["spec_proposed_tokens"] > 0
-    if spec.get("model") == "self":
-        assert stats["spec_acceptance_rate"] == 1.0
+    if spec.get("model") == "self" and not spec.get("quantization"):
+        assert stats["spec_acceptance_rate"] == 1.0  # the target agrees with itself
     if spec["method"] == "draft" and spec["model"] != "self":
         assert stats["spec_acceptance_rate"] < 1.0  # rejections happened
     assert llm.engine.num_free_blocks == llm.engine.num_usable_blocks

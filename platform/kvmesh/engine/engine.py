@@ -125,13 +125,14 @@ class LLMEngine:
         from kvmesh.models.loader import load_model, resolve_model_path
         from kvmesh.worker.model_runner import ModelRunner
 
-        if spec.quantization is not None:
-            raise ConfigError("speculative.quantization: quantized drafts need kvmesh.quant (not available yet)")
-        if spec.model == "self":
-            draft, arch = self.model, self.arch
+        if spec.model == "self" and spec.quantization is None:
+            draft, arch = self.model, self.arch  # shares weights; only the KV cache is separate
         else:
-            draft, arch = load_model(resolve_model_path(spec.model), dtype, device,
-                                     max_model_len + spec.num_speculative_tokens + 1)
+            # A quantized copy of the target ("self" + quantization) is a cheap, well
+            # aligned draft; any other folder must share the target's tokenizer.
+            path = self.model_path if spec.model == "self" else resolve_model_path(spec.model)
+            draft, arch = load_model(path, dtype, device, max_model_len + spec.num_speculative_tokens + 1,
+                                     quantization=spec.quantization)
             if arch.vocab_size != self.arch.vocab_size:
                 raise ConfigError(
                     f"speculative.model: draft vocab {arch.vocab_size} != target vocab "

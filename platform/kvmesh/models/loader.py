@@ -50,14 +50,23 @@ def iter_safetensors(path: Path):
                 yield name, f.get_tensor(name)
 
 
-def load_model(path: Path, dtype, device, max_positions: int):
-    """Build the model for `path` and load its weights; returns (model, ArchConfig)."""
+def load_model(path: Path, dtype, device, max_positions: int,
+               quantization: str | None = None, group_size: int | None = None):
+    """Build the model for `path` and load its weights; returns (model, ArchConfig).
+
+    `quantization` ("int8" / "int4", see kvmesh.quant) quantizes a float checkpoint
+    while loading; a checkpoint whose config.json has a `quantization_config`
+    (kvmesh, GPTQ, AWQ) is loaded quantized as stored.
+    """
     import torch
 
     from kvmesh.models.llama import LlamaForCausalLM
     from kvmesh.models.rope import RotaryEmbedding
+    from kvmesh.quant.loader import load_quantized_model, read_quantization_config
 
     cfg = load_arch_config(path)
+    if quantization is not None or read_quantization_config(path) is not None:
+        return load_quantized_model(path, cfg, dtype, device, max_positions, quantization, group_size)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     # Materialize uninitialized storage: every parameter is overwritten by the load.

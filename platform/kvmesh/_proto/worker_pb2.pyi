@@ -1,0 +1,162 @@
+from . import llm_pb2 as _llm_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _llm_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first", "transfer_id", "source_address", "model_fingerprint", "num_blocks", "num_prompt_tokens")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    first: _llm_pb2.GenerateResponse
+    transfer_id: str
+    source_address: str
+    model_fingerprint: str
+    num_blocks: int
+    num_prompt_tokens: int
+    def __init__(self, first: _Optional[_Union[_llm_pb2.GenerateResponse, _Mapping]] = ..., transfer_id: _Optional[str] = ..., source_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "params", "transfer_id", "source_address", "model_fingerprint")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token_id: int
+    params: _llm_pb2.SamplingParams
+    transfer_id: str
+    source_address: str
+    model_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., source_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class PullKVRequest(_message.Message):
+    __slots__ = ("transfer_id", "model_fingerprint", "max_chunk_bytes")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    model_fingerprint: str
+    max_chunk_bytes: int
+    def __init__(self, transfer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class ReleaseKVRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseKVResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class KVLayout(_message.Message):
+    __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "num_blocks", "num_tokens", "model_fingerprint")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_blocks: int
+    num_tokens: int
+    model_fingerprint: str
+    def __init__(self, num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("layout", "first_block", "num_blocks", "data", "crc32")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    first_block: int
+    num_blocks: int
+    data: bytes
+    crc32: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("max_block_hashes",)
+    MAX_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    max_block_hashes: int
+    def __init__(self, max_block_hashes: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("role", "address", "model_id", "model_fingerprint", "block_size", "max_model_len", "num_waiting", "num_running", "num_free_blocks", "num_usable_blocks", "num_held_transfers", "requests_total", "prompt_tokens_total", "cached_prompt_tokens_total", "kv_sent_blocks", "kv_sent_bytes", "kv_received_blocks", "kv_received_bytes", "kv_loaded_tokens", "kv_pull_failures", "transfers_expired", "cached_block_hashes")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_USABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_SENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_RECEIVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    model_id: str
+    model_fingerprint: str
+    block_size: int
+    max_model_len: int
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_usable_blocks: int
+    num_held_transfers: int
+    requests_total: int
+    prompt_tokens_total: int
+    cached_prompt_tokens_total: int
+    kv_sent_blocks: int
+    kv_sent_bytes: int
+    kv_received_blocks: int
+    kv_received_bytes: int
+    kv_loaded_tokens: int
+    kv_pull_failures: int
+    transfers_expired: int
+    cached_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_usable_blocks: _Optional[int] = ..., num_held_transfers: _Optional[int] = ..., requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_prompt_tokens_total: _Optional[int] = ..., kv_sent_blocks: _Optional[int] = ..., kv_sent_bytes: _Optional[int] = ..., kv_received_blocks: _Optional[int] = ..., kv_received_bytes: _Optional[int] = ..., kv_loaded_tokens: _Optional[int] = ..., kv_pull_failures: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...

@@ -1,0 +1,203 @@
+"""Build a quantized model: swap modules for quantized ones, then route checkpoint tensors.
+
+Two sources, one path:
+
+- a checkpoint already quantized (config.json `quantization_config`: kvmesh, gptq,
+  awq): which modules are quantized is read from the tensor names (a module is
+  quantized iff `<module>.qweight` exists), and its tensors are converted by the
+  format's reader (formats.py);
+- a float checkpoint plus `--quantization METHOD`: the method's offline pass runs on
+  the tensor stream as it is read, producing kvmesh-format tensors.
+
+Order: build on meta -> swap modules (quantized ones allocate on first load) ->
+materialize the rest -> stream: float tensors go through the model's own
+`load_weights`, quantized ones are collected (a module's tensors may sit in
+different files) and loaded per module at the end -> cast float parameters to the
+model dtype -> finalize quantized modules (their buffers keep their own dtypes).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvmesh.errors import ConfigError
+from kvmesh.quant.formats import CheckpointFormat, KVMeshFormat, format_from_config
+from kvmesh.quant.methods import EMBED_NAME, HEAD_NAME, LINEAR_NAMES, QuantMethod, get_method
+from kvmesh.quant.modules import QuantEmbedding, QuantLinear
+
+
+def read_quantization_config(path: Path) -> dict[str, Any] | None:
+    """config.json's `quantization_config`, or None for a float checkpoint."""
+    with open(path / "config.json") as f:
+        qc = json.load(f).get("quantization_config")
+    return dict(qc) if qc else None
+
+
+def quantization_id(path: Path, quantization: str | None, group_size: int | None) -> dict[str, Any] | None:
+    """The model fingerprint's "quantization" entry (None: float weights)."""
+    qc = read_quantization_config(path)
+    if qc is not None:
+        return {"checkpoint": qc}
+    if quantization is None:
+        if group_size is not None:
+            raise ConfigError("model.quantization_group_size: set only together with model.quantization")
+        return None
+    return get_method(quantization, group_size).fingerprint()
+
+
+def _safetensors_keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    keys: list[str] = []
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            keys.extend(f.keys())
+    return keys
+
+
+def _target(model: nn.Module, prefix: str) -> tuple[str, str | None]:
+    """HF module path -> (kvmesh module path, shard) through the model's fused mapping."""
+    for ckpt, (fused, shard) in model.packed_modules.items():
+        if prefix.endswith(f".{ckpt}"):
+            return prefix[: -len(ckpt)] + fused, shard
+    return prefix, None
+
+
+def _plan_from_keys(keys: Iterable[str], fmt: CheckpointFormat) -> dict[str, str]:
+    """{HF module path: scheme} for every module stored quantized."""
+    suffixes: dict[str, set[str]] = defaultdict(set)
+    for key in keys:
+        prefix, _, suffix = key.rpartition(".")
+        if suffix in fmt.suffixes:
+            suffixes[prefix].add(suffix)
+    return {p: fmt.scheme(s) for p, s in suffixes.items() if "qweight" in s}
+
+
+def _plan_from_method(model: nn.Module, method: QuantMethod, tied: bool) -> dict[str, str]:
+    plan = {EMBED_NAME: "int8"}
+    if not tied:
+        plan[HEAD_NAME] = "int8"
+    for name, _ in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            # Expand fused modules back to their HF shards: the stream has HF names.
+            shards = [c for c, (f, _) in model.packed_modules.items() if name.endswith(f)] or [name.rsplit(".", 1)[-1]]
+            parent = name.rsplit(".", 1)[0]
+            for shard in shards:
+                plan[f"{parent}.{shard}"] = method.linear_scheme()
+    return plan
+
+
+def _swap(model: nn.Module, plan: dict[str, str], tied: bool, device: torch.device) -> dict[str, tuple[nn.Module, str | None]]:
+    """Replace planned modules; returns {HF module path: (quantized module, shard)}."""
+    by_target: dict[str, set[str]] = defaultdict(set)
+    for prefix, scheme in plan.items():
+        by_target[_target(model, prefix)[0]].add(scheme)
+    new: dict[str, nn.Module] = {}
+    for target, schemes in by_target.items():
+        if len(schemes) != 1:
+            raise ValueError(f"checkpoint: the shards of {target} are quantized differently ({sorted(schemes)})")
+        scheme = schemes.pop()
+        old = model.get_submodule(target)
+        if target == EMBED_NAME:
+            if scheme != "int8":
+                raise ValueError(f"checkpoint: {EMBED_NAME} must be int8-quantized, got {scheme}")
+            module = QuantEmbedding(old.num_embeddings, old.embedding_dim, device)
+        elif isinstance(old, nn.Linear):
+            if target == HEAD_NAME and tied:
+                raise ValueError("checkpoint: lm_head is quantized but tied to a float embedding")
+            module = QuantLinear.like(scheme, old, device)
+        else:
+            raise ValueError(f"checkpoint: {target} is stored quantized but is not a linear layer")
+        parent, _, child = target.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module)
+        new[target] = module
+    if tied and isinstance(new.get(EMBED_NAME), QuantEmbedding):
+        model.lm_head = new[EMBED_NAME].head
+    routes = {}
+    for prefix in plan:
+        target, shard = _target(model, prefix)
+        module = new[target]
+        routes[prefix] = (module.head if isinstance(module, QuantEmbedding) else module, shard)
+    return routes
+
+
+def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.device, max_positions: int,
+                         quantization: str | None = None, group_size: int | None = None):
+    """Like models.loader.load_model, for quantized checkpoints or `--quantization`."""
+    from kvmesh.models.llama import LlamaForCausalLM
+    from kvmesh.models.loader import iter_safetensors
+    from kvmesh.models.rope import RotaryEmbedding
+
+    qc = read_quantization_config(path)
+    tied = cfg.tie_word_embeddings
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors(path)
+    if qc is not None:
+        if quantization is not None:
+            raise ConfigError(f"model.quantization: {path} is already quantized "
+                              f"({qc.get('quant_method')}); drop --quantization")
+        fmt = format_from_config(qc)
+        plan = _plan_from_keys(_safetensors_keys(path), fmt)
+    else:
+        method = get_method(quantization, group_size)
+        fmt = KVMeshFormat()
+        plan = _plan_from_method(model, method, tied)
+        weights = method.quantize_state_dict(weights, tied)
+    routes = _swap(model, plan, tied, device)
+    model = model.to_empty(device=device)
+    if tied and isinstance(model.lm_head, nn.Linear) and not isinstance(model.lm_head, QuantLinear):
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+    pending: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    biases: dict[str, torch.Tensor] = {}
+
+    def float_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            prefix, _, suffix = name.rpartition(".")
+            if prefix in routes and suffix in fmt.suffixes:
+                pending[prefix][suffix] = tensor
+            elif prefix in routes and suffix == "bias":
+                biases[prefix] = tensor
+            else:
+                yield name, tensor
+
+    model.load_weights(float_tensors())
+    for prefix, (module, shard) in routes.items():
+        if prefix not in pending:
+            raise ValueError(f"checkpoint: no quantized tensors for {prefix}")
+        module.load(fmt.convert(prefix, pending.pop(prefix)), shard)
+    for prefix, bias in biases.items():
+        module, shard = routes[prefix]
+        module.load_bias(bias, shard)
+
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    for module in model.modules():
+        if isinstance(module, (QuantLinear, QuantEmbedding)):
+            module.finalize(dtype)
+    model.model.rotary = RotaryEmbedding(cfg, max_positions).to(device)
+    model.eval()
+    return model, cfg
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of all weights (parameters and quantized buffers), each shared tensor once."""
+    seen = {b.data_ptr() for b in model.model.rotary.buffers()}  # RoPE tables are not weights
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() in seen or not (t.is_floating_point() or t.dtype in (torch.int8, torch.uint8)):
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+__all__ = ["LINEAR_NAMES", "load_quantized_model", "quantization_id", "read_quantization_config", "weight_bytes"]

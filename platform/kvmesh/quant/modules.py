@@ -1,0 +1,155 @@
+"""Quantized drop-in modules for kvmesh's Linear / MergedLinear and the token embedding.
+
+In the style of gpt-fast's `WeightOnlyInt8Linear`: the module holds the quantized
+tensors as buffers (never Parameters: `model.load_weights` and dtype casts leave them
+alone) and its forward calls a quantized matmul (kernels.py).
+
+Buffers are allocated on the first `load()` from the canonical tensors' shapes, so a
+module is built before its format (group size, act-order permutation) is known.
+Fused modules (qkv, gate_up) keep their shards' row ranges; every shard of a
+checkpoint is copied into its rows, exactly like MergedLinear.weight_loader.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvmesh.quant.kernels import int4_matmul, int8_matmul
+from kvmesh.quant.primitives import dequantize_int4, dequantize_int8, unpack_int4
+
+# Canonical buffers per scheme (see primitives.py); "perm" is optional for int4.
+SCHEME_TENSORS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros")}
+
+
+class QuantLinear(nn.Module):
+    """Weight-only quantized y = x @ W^T + b; `scheme` is "int8" or "int4"."""
+
+    def __init__(self, scheme: str, in_features: int, out_features: int, bias: bool,
+                 shards: dict[str, tuple[int, int]] | None = None, device: torch.device | str = "cpu"):
+        super().__init__()
+        if scheme not in SCHEME_TENSORS:
+            raise ValueError(f"scheme: {scheme!r} is not one of {sorted(SCHEME_TENSORS)}")
+        self.scheme = scheme
+        self.in_features, self.out_features = in_features, out_features
+        self.shards = shards or {"": (0, out_features)}
+        self.has_bias = bias
+        self.device = torch.device(device)
+        self._loaded: set[str] = set()
+        self._bias_loaded: set[str] = set()
+        for name in ("qweight", "scales", "zeros", "bias", "perm"):
+            self.register_buffer(name, None)
+
+    @classmethod
+    def like(cls, scheme: str, linear: nn.Linear, device: torch.device | str) -> "QuantLinear":
+        """An empty quantized twin of `linear` (a Linear or MergedLinear)."""
+        shards = getattr(linear, "offsets", None)
+        return cls(scheme, linear.in_features, linear.out_features, linear.bias is not None, shards, device)
+
+    def _rows(self, shard: str | None) -> tuple[int, int]:
+        key = shard or ""
+        if key not in self.shards:
+            raise ValueError(f"unknown shard {shard!r}; this module has {sorted(self.shards)}")
+        return self.shards[key]
+
+    def load(self, tensors: dict[str, torch.Tensor], shard: str | None = None) -> None:
+        """Copy one checkpoint module's canonical tensors into this module's rows."""
+        start, size = self._rows(shard)
+        for name, t in tensors.items():
+            if name == "perm":
+                self._load_perm(t)
+                continue
+            if name not in SCHEME_TENSORS[self.scheme]:
+                raise ValueError(f"{self.scheme} module got unexpected tensor {name!r}")
+            if t.shape[0] != size:
+                raise ValueError(f"{name}: checkpoint has {t.shape[0]} rows, shard {shard!r} expects {size}")
+            buf = getattr(self, name)
+            if buf is None:
+                buf = torch.empty((self.out_features, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                setattr(self, name, buf)
+            elif buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype:
+                raise ValueError(f"{name}: shard {shard!r} has shape {tuple(t.shape)} / {t.dtype}, other shards "
+                                 f"{tuple(buf.shape)} / {buf.dtype} (mixed group sizes in one fused module?)")
+            buf.narrow(0, start, size).copy_(t)
+        self._loaded.add(shard or "")
+
+    def _load_perm(self, perm: torch.Tensor) -> None:
+        perm = perm.to(device=self.device, dtype=torch.long)
+        if self.perm is not None and not torch.equal(self.perm, perm):
+            raise ValueError("g_idx: shards of one fused module have different act-order permutations; "
+                             "kvmesh needs them equal (re-quantize with desc_act=False)")
+        self.perm = perm
+
+    def load_bias(self, bias: torch.Tensor, shard: str | None = None) -> None:
+        start, size = self._rows(shard)
+        if self.bias is None:
+            self.bias = torch.zeros(self.out_features, dtype=torch.float32, device=self.device)
+        self.bias.narrow(0, start, size).copy_(bias)
+        self._bias_loaded.add(shard or "")
+
+    def missing(self) -> list[str]:
+        """Shards (and biases) not loaded yet, as "shard" / "shard:bias" labels."""
+        out = [s or "weight" for s in self.shards if s not in self._loaded]
+        if self.has_bias:
+            out += [f"{s or 'weight'}:bias" for s in self.shards if s not in self._bias_loaded]
+        return out
+
+    def finalize(self, dtype: torch.dtype) -> None:
+        """After loading: check completeness and put the tensors in their run-time dtypes."""
+        if self.missing():
+            raise ValueError(f"checkpoint is missing {self.missing()}")
+        self.scales = self.scales.to(torch.float32 if self.scheme == "int8" else torch.float16).contiguous()
+        if self.zeros is not None:
+            self.zeros = self.zeros.to(torch.float16).contiguous()
+        if self.bias is not None:
+            self.bias = self.bias.to(dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight this module computes with, (out, in), in input-column order."""
+        if self.scheme == "int8":
+            w = dequantize_int8(self.qweight, self.scales, dtype)
+        else:
+            w = dequantize_int4(unpack_int4(self.qweight), self.scales, self.zeros, dtype)
+        if self.perm is not None:  # column j of w is input perm[j]
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        if self.scheme == "int8":
+            y = int8_matmul(x, self.qweight, self.scales)
+        else:
+            y = int4_matmul(x, self.qweight, self.scales, self.zeros)
+        return y if self.bias is None else y + self.bias
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros, self.bias)
+                   if t is not None)
+
+    def extra_repr(self) -> str:
+        return f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding stored int8 per row; rows are dequantized on gather.
+
+    With tied embeddings the same storage is the lm_head: `head` is a QuantLinear
+    whose buffers are this module's, so the vocabulary matrix is held (and read per
+    decode step) once, at 1 byte per weight instead of 4.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.head = QuantLinear("int8", embedding_dim, num_embeddings, bias=False, device=device)
+        self.dtype = torch.float32
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.head.qweight.index_select(0, ids)
+        s = self.head.scales.index_select(0, ids)
+        return (q.to(torch.float32) * s[:, None]).to(self.dtype)
+
+    def finalize(self, dtype: torch.dtype) -> None:
+        self.head.finalize(dtype)
+        self.dtype = dtype

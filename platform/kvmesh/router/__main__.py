@@ -1,0 +1,5 @@
+import sys
+
+from kvmesh.router.server import main
+
+sys.exit(main())

@@ -1,0 +1,58 @@
+"""Typed router configuration (pydantic), shared by the CLI, `kvmesh serve --local` and
+(later) the CRD's `spec.router`. Plugin names are checked against the registry when
+the config is built, so a typo fails at startup with the list of valid names."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ScorerWeight(_Base):
+    name: str = Field(description="Registered scorer name: prefix, queue, kv_free.")
+    weight: float = Field(1.0, ge=0, description="Weight of this scorer's [0, 1] score in the sum.")
+
+
+class RouterConfig(_Base):
+    filters: list[str] = Field(
+        default_factory=lambda: ["healthy", "role"],
+        description="Filters applied in order to the candidate workers.",
+    )
+    scorers: list[ScorerWeight] = Field(
+        default_factory=lambda: [ScorerWeight(name="prefix", weight=2.0), ScorerWeight(name="queue", weight=1.0),
+                                 ScorerWeight(name="kv_free", weight=0.5)],
+        description="Weighted scorers; a worker's score is the weighted sum.",
+    )
+    picker: str = Field("max_score", description="How to pick among scored workers: max_score, round_robin, random.")
+    decider: str = Field(
+        "pd_threshold", description="When to disaggregate: pd_threshold, always (when prefill workers exist), never."
+    )
+    pd_threshold_tokens: int = Field(
+        256, ge=0,
+        description="P/D is skipped (the decode worker prefills locally) when fewer prompt tokens than this are "
+        "not already cached on the chosen decode worker.",
+    )
+    stats_interval_s: float = Field(0.5, gt=0, description="How often workers' Stats are polled.")
+    stats_timeout_s: float = Field(2.0, gt=0, description="Stats call timeout; a worker that misses it is unhealthy.")
+    max_block_hashes: int = Field(4096, ge=0, description="Cached-block hashes asked from each worker per poll.")
+    affinity_capacity: int = Field(
+        65536, ge=0, description="Block hashes remembered per worker from the router's own routing decisions."
+    )
+    max_attempts: int = Field(3, ge=1, description="Workers tried per request phase before UNAVAILABLE.")
+    unhealthy_cooldown_s: float = Field(2.0, ge=0, description="A failed worker is skipped this long.")
+
+    @model_validator(mode="after")
+    def _check_plugins(self) -> "RouterConfig":
+        from kvmesh.router.plugins import PLUGINS
+
+        checks = [("filters", "filter", self.filters), ("picker", "picker", [self.picker]),
+                  ("decider", "decider", [self.decider]),
+                  ("scorers", "scorer", [s.name for s in self.scorers])]
+        for field, kind, names in checks:
+            for name in names:
+                if name not in PLUGINS[kind]:
+                    raise ValueError(f"{field}: unknown {kind} {name!r}; registered: {sorted(PLUGINS[kind])}")
+        return self

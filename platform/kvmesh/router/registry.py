@@ -1,0 +1,186 @@
+"""Worker discovery and the router's live view of each worker.
+
+A `WorkerRegistry` only answers "which addresses exist" (static list, in-process
+registry for local mode; a Ray named actor later). `WorkerPool` turns addresses into
+`WorkerHandle`s (channel, stub, last Stats, affinity memory) and polls Stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+import grpc
+
+from kvmesh._proto import worker_pb2, worker_pb2_grpc
+from kvmesh.serve.protocol import CHANNEL_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerRegistry(Protocol):
+    def addresses(self) -> list[str]:
+        """Current worker addresses ("host:port")."""
+        ...
+
+
+class StaticRegistry:
+    """A fixed list of addresses (tests, hand-written deployments)."""
+
+    def __init__(self, addresses: Sequence[str]):
+        self._addresses = list(addresses)
+
+    def addresses(self) -> list[str]:
+        return list(self._addresses)
+
+
+class InProcessRegistry:
+    """Workers register and unregister themselves (local mode, one process or launcher)."""
+
+    def __init__(self) -> None:
+        self._addresses: dict[str, None] = {}
+
+    def register(self, address: str) -> None:
+        self._addresses[address] = None
+
+    def unregister(self, address: str) -> None:
+        self._addresses.pop(address, None)
+
+    def addresses(self) -> list[str]:
+        return list(self._addresses)
+
+
+class WorkerHandle:
+    """One worker as the router sees it."""
+
+    def __init__(self, address: str, affinity_capacity: int):
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self.stats: worker_pb2.StatsResponse | None = None
+        self.in_flight = 0
+        self.unhealthy_until = 0.0
+        # Hashes this router sent here (LRU) and the ones the worker reported cached.
+        self._routed: OrderedDict[bytes, None] = OrderedDict()
+        self._capacity = affinity_capacity
+        self._reported: frozenset[bytes] = frozenset()
+
+    @property
+    def stub(self) -> worker_pb2_grpc.WorkerStub:
+        # Created on first use: an aio channel belongs to the running event loop.
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    @property
+    def role(self) -> str:
+        return self.stats.role if self.stats is not None else ""
+
+    def healthy(self, now: float | None = None) -> bool:
+        return self.stats is not None and (now or time.monotonic()) >= self.unhealthy_until
+
+    def mark_unhealthy(self, cooldown_s: float) -> None:
+        self.unhealthy_until = time.monotonic() + cooldown_s
+
+    @property
+    def load(self) -> int:
+        """Requests queued or running; the router's own count covers Stats' staleness."""
+        reported = self.stats.num_waiting + self.stats.num_running if self.stats is not None else 0
+        return max(reported, self.in_flight)
+
+    def prefix_blocks(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of a prompt this worker likely has cached."""
+        n = 0
+        for h in hashes:
+            if h not in self._routed and h not in self._reported:
+                break
+            n += 1
+        return n
+
+    def remember(self, hashes: Sequence[bytes]) -> None:
+        if self._capacity <= 0:
+            return
+        for h in hashes:
+            self._routed[h] = None
+            self._routed.move_to_end(h)
+        while len(self._routed) > self._capacity:
+            self._routed.popitem(last=False)
+
+    def update(self, stats: worker_pb2.StatsResponse) -> None:
+        self.stats = stats
+        self._reported = frozenset(stats.cached_block_hashes)
+
+
+class WorkerPool:
+    """Handles for the registry's workers, refreshed by polling Stats."""
+
+    def __init__(self, registry: WorkerRegistry, affinity_capacity: int, max_block_hashes: int,
+                 stats_timeout_s: float, unhealthy_cooldown_s: float):
+        self.registry = registry
+        self.workers: dict[str, WorkerHandle] = {}
+        self.affinity_capacity = affinity_capacity
+        self.max_block_hashes = max_block_hashes
+        self.stats_timeout_s = stats_timeout_s
+        self.unhealthy_cooldown_s = unhealthy_cooldown_s
+        self.fingerprint: str | None = None  # of the first worker seen; others must match
+        self.block_size: int | None = None
+
+    def handles(self) -> list[WorkerHandle]:
+        return list(self.workers.values())
+
+    async def refresh(self) -> None:
+        addresses = self.registry.addresses()
+        for gone in set(self.workers) - set(addresses):
+            await self.workers.pop(gone).close()
+        for addr in addresses:
+            if addr not in self.workers:
+                self.workers[addr] = WorkerHandle(addr, self.affinity_capacity)
+        await asyncio.gather(*(self._poll(w) for w in self.workers.values()))
+
+    async def _poll(self, w: WorkerHandle) -> None:
+        try:
+            stats = await w.stub.Stats(worker_pb2.StatsRequest(max_block_hashes=self.max_block_hashes),
+                                       timeout=self.stats_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if w.stats is not None and w.healthy():
+                logger.warning("worker %s missed its Stats poll (%s); skipping it for now", w.address, exc.code().name)
+            w.mark_unhealthy(self.unhealthy_cooldown_s)
+            return
+        if self.fingerprint is None:
+            self.fingerprint, self.block_size = stats.model_fingerprint, stats.block_size
+        elif stats.model_fingerprint != self.fingerprint:
+            logger.error("worker %s serves a different model (fingerprint %s, expected %s); not routing to it",
+                         w.address, stats.model_fingerprint, self.fingerprint)
+            w.mark_unhealthy(self.unhealthy_cooldown_s)
+            return
+        w.update(stats)
+
+    async def poll_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.refresh()
+
+    async def wait_ready(self, timeout_s: float, min_workers: int = 1) -> None:
+        """Poll until `min_workers` workers answered Stats (startup)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self.refresh()
+            if sum(w.healthy() for w in self.workers.values()) >= min_workers:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fewer than {min_workers} of {self.registry.addresses()} answered Stats "
+                                   f"within {timeout_s}s; are the workers running?")
+            await asyncio.sleep(0.2)
+
+    async def close(self) -> None:
+        for w in self.workers.values():
+            await w.close()

@@ -1,0 +1,289 @@
+"""The router's `kvmesh.v1.LLM` service: one request's path through the workers.
+
+P/D path: Prefill on a prefill worker (first token, KV held under a transfer id) ->
+the first token goes to the client at once -> Decode on a decode worker, which pulls
+the KV and streams the rest. Direct path: Generate on one decode / unified worker.
+
+Failures: a phase whose worker is unreachable (UNAVAILABLE) is retried on another
+worker, and a broken token stream *resumes* elsewhere: the new worker gets the
+prompt plus every token already sent, so greedy output is unchanged. Client cancel
+and deadlines propagate: worker calls carry the remaining deadline and are cancelled
+with the client's call (the workers then abort and free the blocks).
+
+The router detokenizes the combined token stream itself, so text and stop strings
+are right across the prefill/decode (or retry) boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvmesh._proto import llm_pb2, llm_pb2_grpc, worker_pb2
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.hashing import block_hashes
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.errors import InvalidRequestError
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.plugins import RouteRequest, WorkerScheduler
+from kvmesh.router.registry import WorkerHandle, WorkerPool
+from kvmesh.serve.protocol import (
+    StatusError, abort_with, params_from_proto, params_to_proto, prompt_from_request,
+)
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLM"].full_name
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+@dataclass
+class RouteDecision:
+    """Where one request went (kept for tests and debugging, sent as trailing metadata)."""
+
+    request_id: str
+    path: str  # "pd" | "direct"
+    prefill: str = ""
+    decode: list[str] = field(default_factory=list)  # more than one after a retry
+    prompt_tokens: int = 0
+    prefix_blocks: dict[str, int] = field(default_factory=dict)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("kvmesh-route", self.path), ("kvmesh-prefill", self.prefill),
+                ("kvmesh-decode", ",".join(self.decode)))
+
+
+@dataclass
+class _Transfer:
+    """KV held on a prefill worker for this request."""
+
+    resp: worker_pb2.PrefillResponse
+    pulled: bool = False  # the decode worker answered, so it has pulled (or recomputed)
+
+
+class _Stream:
+    """The client-facing stream of one request: router-side detokenization, stop
+    strings, and the tokens sent so far (what a retry resumes from)."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
+        self.tokens: list[int] = []
+        self.cached_prompt_tokens: int | None = None
+        self.finished = False
+
+    def emit(self, msg: llm_pb2.GenerateResponse) -> llm_pb2.GenerateResponse:
+        if self.cached_prompt_tokens is None and msg.HasField("usage"):
+            self.cached_prompt_tokens = msg.usage.cached_prompt_tokens
+        self.tokens.extend(msg.token_ids)
+        done = bool(msg.finish_reason) or len(self.tokens) >= self.params.max_tokens
+        delta, stop_hit = self.detok.update(list(msg.token_ids), done)
+        out = llm_pb2.GenerateResponse(request_id=self.request_id, text=delta, token_ids=msg.token_ids,
+                                       logprobs=msg.logprobs)
+        if stop_hit:
+            out.finish_reason, out.stop_reason = "stop", self.detok.stop_string or ""
+        elif done:
+            out.finish_reason = msg.finish_reason or "length"
+            out.stop_reason = msg.stop_reason
+        if out.finish_reason:
+            self.finished = True
+            out.usage.CopyFrom(llm_pb2.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.tokens),
+                                             cached_prompt_tokens=self.cached_prompt_tokens or 0))
+        return out
+
+    def resume_request(self) -> llm_pb2.GenerateRequest:
+        """Generate request that continues after the tokens already sent."""
+        proto = params_to_proto(self.params)
+        proto.max_tokens = self.params.max_tokens - len(self.tokens)
+        return llm_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids + self.tokens,
+                                       params=proto)
+
+
+class LLMServicer(llm_pb2_grpc.LLMServicer):
+    def __init__(self, pool: WorkerPool, config: RouterConfig, tokenizer, model_id: str):
+        self.pool = pool
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.scheduler = WorkerScheduler.from_config(config)
+        self.decisions: deque[RouteDecision] = deque(maxlen=1024)
+        self._background: set[asyncio.Task] = set()
+
+    # -- request preparation --------------------------------------------------
+
+    def _prompt_ids(self, request: llm_pb2.GenerateRequest) -> list[int]:
+        if request.model and request.model != self.model_id:
+            raise InvalidRequestError("model", f"{request.model!r} is not served here; ListModels shows "
+                                               f"{self.model_id!r}")
+        prompt = prompt_from_request(request)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+        limits = [w.stats.max_model_len for w in self.pool.handles() if w.stats is not None]
+        if limits and len(ids) >= min(limits):
+            raise InvalidRequestError("prompt", f"has {len(ids)} tokens but max_model_len is {min(limits)}; "
+                                                "shorten it to leave room for at least one output token")
+        return ids
+
+    def _route_request(self, rid: str, ids: list[int]) -> RouteRequest:
+        if self.pool.fingerprint is None:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "no worker has answered yet; retry shortly")
+        hashes = block_hashes(ids, self.pool.block_size, self.pool.fingerprint)
+        return RouteRequest(rid, ids, hashes, self.pool.block_size)
+
+    def _pick(self, req: RouteRequest, stage: str) -> WorkerHandle | None:
+        req.stage = stage
+        return self.scheduler.pick(req, self.pool.handles())
+
+    def _failed(self, worker: WorkerHandle, req: RouteRequest, exc: grpc.aio.AioRpcError) -> None:
+        logger.warning("worker %s failed request %s (%s: %s); trying another",
+                       worker.address, req.request_id, exc.code().name, exc.details())
+        worker.mark_unhealthy(self.config.unhealthy_cooldown_s)
+        req.exclude.add(worker.address)
+
+    # -- RPCs -----------------------------------------------------------------
+
+    async def Generate(self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            params = params_from_proto(request.params)
+            ids = self._prompt_ids(request)
+            route = self._route_request(rid, ids)
+            stream = _Stream(rid, ids, params, self.tokenizer)
+            async for msg in self._generate(route, stream, context):
+                yield msg
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def _generate(self, route: RouteRequest, stream: _Stream,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        use_pd = self.scheduler.use_pd(route, self.pool.handles())
+        decision = RouteDecision(route.request_id, "pd" if use_pd else "direct",
+                                 prompt_tokens=len(route.prompt_token_ids),
+                                 prefix_blocks={w.address: w.prefix_blocks(route.block_hashes)
+                                                for w in self.pool.handles()})
+        self.decisions.append(decision)
+        transfer: _Transfer | None = None
+        try:
+            if use_pd:
+                resp = await self._prefill(route, stream, decision, context)
+                if resp is not None:
+                    if resp.transfer_id:
+                        transfer = _Transfer(resp)
+                    yield stream.emit(resp.first)
+                    if stream.finished:
+                        return
+                else:
+                    decision.path = "direct"  # every prefill worker failed: prefill in place
+            async for msg in self._decode(route, stream, transfer, decision, context):
+                yield msg
+        finally:
+            context.set_trailing_metadata(decision.metadata())
+            if transfer is not None and not transfer.pulled:
+                self._release_later(transfer.resp)
+
+    async def _prefill(self, route: RouteRequest, stream: _Stream, decision: RouteDecision,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse | None:
+        req = worker_pb2.PrefillRequest(request_id=route.request_id, prompt_token_ids=route.prompt_token_ids,
+                                        params=params_to_proto(stream.params))
+        for _ in range(self.config.max_attempts):
+            worker = self._pick(route, "prefill")
+            if worker is None:
+                return None
+            decision.prefill = worker.address
+            worker.in_flight += 1
+            worker.remember(route.block_hashes)
+            try:
+                return await worker.stub.Prefill(req, timeout=context.time_remaining())
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    raise
+                self._failed(worker, route, exc)
+            finally:
+                worker.in_flight -= 1
+        return None
+
+    async def _decode(self, route: RouteRequest, stream: _Stream, transfer: _Transfer | None,
+                      decision: RouteDecision, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        route.exclude.clear()  # a prefill failure says nothing about decode candidates
+        for attempt in range(self.config.max_attempts):
+            worker = self._pick(route, "decode")
+            if worker is None:
+                break
+            decision.decode.append(worker.address)
+            if attempt == 0 and transfer is not None:
+                t = transfer.resp
+                call = worker.stub.Decode(worker_pb2.DecodeRequest(
+                    request_id=route.request_id, prompt_token_ids=route.prompt_token_ids,
+                    first_token_id=stream.tokens[0], params=params_to_proto(stream.params),
+                    transfer_id=t.transfer_id, source_address=t.source_address,
+                    model_fingerprint=t.model_fingerprint), timeout=context.time_remaining())
+            else:
+                call = worker.stub.Generate(stream.resume_request(), timeout=context.time_remaining())
+            worker.in_flight += 1
+            worker.remember(route.block_hashes)
+            try:
+                async for msg in call:
+                    if transfer is not None:
+                        transfer.pulled = True
+                    yield stream.emit(msg)
+                    if stream.finished:
+                        return
+                raise StatusError(grpc.StatusCode.INTERNAL, f"worker {worker.address} ended the stream early")
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    raise
+                self._failed(worker, route, exc)
+            finally:
+                worker.in_flight -= 1
+                call.cancel()  # no-op when complete; otherwise the worker aborts and frees blocks
+        raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                          f"no healthy worker could serve request {route.request_id} "
+                          f"(tried: {', '.join(decision.decode) or 'none available'}); retry later")
+
+    def _release_later(self, transfer: worker_pb2.PrefillResponse) -> None:
+        """Tell the prefill worker to drop KV nobody will pull (fire and forget; its
+        TTL is the backstop)."""
+        worker = self.pool.workers.get(transfer.source_address)
+        if worker is None:
+            return
+
+        async def release() -> None:
+            try:
+                await worker.stub.ReleaseKV(worker_pb2.ReleaseKVRequest(transfer_id=transfer.transfer_id),
+                                            timeout=self.config.stats_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                logger.info("ReleaseKV of %s failed (%s); its TTL will free it", transfer.transfer_id,
+                            exc.code().name)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def Tokenize(self, request: llm_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
+        if request.model and request.model != self.model_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {request.model!r} is not served here")
+        return llm_pb2.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, add_special_tokens=True))
+
+    async def ListModels(self, request: llm_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):
+        limits = [w.stats.max_model_len for w in self.pool.handles() if w.stats is not None]
+        return llm_pb2.ListModelsResponse(models=[llm_pb2.ModelInfo(
+            id=self.model_id, max_model_len=min(limits, default=0), block_size=self.pool.block_size or 0,
+            fingerprint=self.pool.fingerprint or "")])
+
+    async def CachePrompt(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "CachePrompt is not implemented yet: prefixes are cached automatically by the workers' "
+                            "prefix caches and routed to by prefix affinity")
+
+    async def UncachePrompt(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "UncachePrompt is not implemented yet")

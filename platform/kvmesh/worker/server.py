@@ -1,0 +1,338 @@
+"""The worker's gRPC server (`kvmesh.v1.Worker`): an AsyncLLMEngine behind Generate,
+Prefill, Decode, PullKV and Stats, plus standard health checking and reflection.
+
+Roles (prefill / decode / unified) are advertised in Stats and only steer the
+router; every worker answers every RPC. The engine is touched only by its step loop
+or through `AsyncLLMEngine.run_between_steps` (held-KV release, block reads, cache
+snapshots), never concurrently with a step.
+
+Run one: `python -m kvmesh.worker.server --role decode --port 50061 --model DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvmesh._proto import llm_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.errors import InvalidRequestError
+from kvmesh.serve.protocol import (
+    CHANNEL_OPTIONS, StatusError, abort_with, add_health_and_reflection, output_to_proto,
+    params_from_proto, prompt_from_request, run_until_signalled, set_serving,
+)
+from kvmesh.worker.kv_transfer import (
+    KVTransferError, PulledKVLoader, TransferTable, blocks_per_chunk, make_chunk, make_layout, pull_kv,
+)
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+Role = Literal["prefill", "decode", "unified"]
+
+
+class WorkerServerConfig(BaseModel):
+    """Settings of one worker process (the engine has its own EngineConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Role = Field("unified", description="What the router sends here: prefill, decode or both.")
+    host: str = Field("127.0.0.1", description="Interface to listen on.")
+    port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+    model_id: str = Field("kvmesh", description="Model name reported in Stats / ListModels.")
+    transfer_ttl_s: float = Field(30.0, gt=0, description="How long prefilled KV waits for a PullKV.")
+    pull_timeout_s: float = Field(30.0, gt=0, description="Max time a decode waits for a PullKV.")
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.requests = self.prompt_tokens = self.cached_prompt_tokens = 0
+        self.kv_sent_blocks = self.kv_sent_bytes = 0
+        self.kv_received_blocks = self.kv_received_bytes = 0
+        self.kv_pull_failures = self.transfers_expired = 0
+
+    def count_finished(self, out: RequestOutput) -> None:
+        self.requests += 1
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.cached_prompt_tokens += out.num_cached_tokens
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, aengine: AsyncLLMEngine, config: WorkerServerConfig, address: str):
+        self.aengine = aengine
+        self.engine = aengine.engine
+        self.config = config
+        self.address = address
+        self.transfers = TransferTable(config.transfer_ttl_s)
+        self.loader = PulledKVLoader(self.engine.runner, self.engine.config.cache.block_size,
+                                     inner=self.engine.scheduler.kv_loader)
+        self.engine.scheduler.kv_loader = self.loader
+        self.counters = _Counters()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    # -- helpers ------------------------------------------------------------
+
+    async def _stream(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                      engine_id: str) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        """Run a request and stream its deltas; leaving early aborts it (frees blocks)."""
+        num_logprobs = 0
+        async for out in self.aengine.generate(prompt, params, request_id=engine_id):
+            lps = out.outputs[0].logprobs
+            new = len(lps) - num_logprobs if lps is not None else 0
+            num_logprobs += new
+            if out.finished:
+                self.counters.count_finished(out)
+            yield output_to_proto(out, request_id, new)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return ch
+
+    async def _release(self, transfer_id: str) -> None:
+        if self.transfers.pop(transfer_id) is not None:
+            await self.aengine.run_between_steps(lambda: self.engine.release_kv(transfer_id))
+
+    async def expire_transfers_forever(self) -> None:
+        """Release transfers nobody pulled within the TTL (a decode that never came)."""
+        period = min(self.config.transfer_ttl_s / 4, 1.0)
+        while True:
+            await asyncio.sleep(period)
+            for tid in self.transfers.expired():
+                logger.info("transfer %s expired unpulled after %.1fs; releasing its blocks",
+                            tid, self.config.transfer_ttl_s)
+                self.counters.transfers_expired += 1
+                await self._release(tid)
+
+    # -- RPCs ---------------------------------------------------------------
+
+    async def Generate(self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            params = params_from_proto(request.params)
+            prompt = prompt_from_request(request)
+            async for msg in self._stream(prompt, params, rid, f"{rid}-{uuid.uuid4().hex[:8]}"):
+                yield msg
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id or uuid.uuid4().hex
+        engine_id = f"{rid}-{uuid.uuid4().hex[:8]}"
+        try:
+            params = params_from_proto(request.params)
+            prompt = list(request.prompt_token_ids)
+            # Hold the KV only if a decode will follow: more tokens wanted and room left.
+            hold = params.max_tokens > 1 and len(prompt) + 1 < self.engine.max_model_len
+            first_params = dataclasses.replace(params, max_tokens=1)
+            final, num_lp = None, 0
+            async for out in self.aengine.generate(prompt, first_params, request_id=engine_id, hold_kv=hold):
+                if out.finished:
+                    final = out
+                    if out.held_block_ids is not None:  # register before any await: never leak
+                        self.transfers.add(engine_id, out.held_block_ids, len(prompt))
+                    lps = out.outputs[0].logprobs
+                    num_lp = len(lps) if lps is not None else 0
+            self.counters.count_finished(final)
+            first = output_to_proto(final, rid, num_lp)
+            resp = worker_pb2.PrefillResponse(first=first, source_address=self.address,
+                                              model_fingerprint=self.engine.fingerprint)
+            held = self.transfers.get(engine_id)
+            if held is not None and final.outputs[0].finish_reason == "length":
+                # Stopped only by our max_tokens=1: the request goes on at a decode worker.
+                resp.first.finish_reason = ""
+                resp.transfer_id = engine_id
+                resp.num_blocks = len(held.block_ids)
+                resp.num_prompt_tokens = held.num_tokens
+            elif held is not None:  # finished for real (EOS, stop token / string)
+                await self._release(engine_id)
+            return resp
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def PullKV(self, request: worker_pb2.PullKVRequest, context: grpc.aio.ServicerContext):
+        held = self.transfers.get(request.transfer_id)
+        if held is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"transfer {request.transfer_id!r} is unknown, already pulled or expired "
+                                f"(TTL {self.config.transfer_ttl_s}s); recompute the prompt")
+        if request.model_fingerprint != self.engine.fingerprint:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "model fingerprint mismatch: this worker holds KV of a different model, "
+                                "dtype or block size than the puller; route P/D pairs within one model")
+        runner = self.engine.runner
+        layout = make_layout(runner, len(held.block_ids), held.num_tokens, self.engine.fingerprint)
+        step = blocks_per_chunk(runner, request.max_chunk_bytes)
+        held.pulls_in_flight += 1
+        try:
+            for i in range(0, len(held.block_ids), step):
+                ids = held.block_ids[i : i + step]
+                kv = await self.aengine.run_between_steps(lambda ids=ids: runner.read_blocks(ids))
+                chunk = make_chunk(kv, i, layout if i == 0 else None)
+                self.counters.kv_sent_blocks += len(ids)
+                self.counters.kv_sent_bytes += len(chunk.data)
+                yield chunk
+        finally:
+            held.pulls_in_flight -= 1
+        await self._release(request.transfer_id)  # pull complete
+
+    async def ReleaseKV(self, request: worker_pb2.ReleaseKVRequest, context: grpc.aio.ServicerContext):
+        held = self.transfers.get(request.transfer_id)
+        if held is not None and held.pulls_in_flight == 0:
+            await self._release(request.transfer_id)
+            return worker_pb2.ReleaseKVResponse(released=True)
+        return worker_pb2.ReleaseKVResponse(released=False)
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id or uuid.uuid4().hex
+        engine_id = f"{rid}-{uuid.uuid4().hex[:8]}"
+        try:
+            params = params_from_proto(request.params)
+            if params.max_tokens < 2:
+                raise InvalidRequestError("max_tokens", "Decode needs max_tokens >= 2 (prefill produced the "
+                                                        "first token); finish max_tokens=1 requests at prefill")
+            prompt = list(request.prompt_token_ids) + [request.first_token_id]
+            self.engine.validate_prompt_ids(prompt)
+            if request.transfer_id and request.source_address:
+                await self._pull(request, engine_id, context)
+            rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1)
+            async for msg in self._stream(prompt, rest, rid, engine_id):
+                yield msg
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+        finally:
+            self.loader.discard(engine_id)
+
+    async def _pull(self, request: worker_pb2.DecodeRequest, engine_id: str,
+                    context: grpc.aio.ServicerContext) -> None:
+        """Pull the prompt's KV and stage it for admission; on failure the prompt is
+        recomputed here (slower, same output), so a pull error never fails the request."""
+        if request.model_fingerprint and request.model_fingerprint != self.engine.fingerprint:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "model fingerprint mismatch between prefill and decode workers")
+        remaining = context.time_remaining()
+        timeout = min(self.config.pull_timeout_s, remaining) if remaining is not None else self.config.pull_timeout_s
+        try:
+            pulled = await pull_kv(self._channel(request.source_address), self.engine.runner,
+                                   request.transfer_id, self.engine.fingerprint, timeout)
+        except (grpc.aio.AioRpcError, KVTransferError) as exc:
+            self.counters.kv_pull_failures += 1
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            logger.warning("PullKV of %s from %s failed (%s); recomputing the prompt",
+                           request.transfer_id, request.source_address, detail)
+            return
+        self.counters.kv_received_blocks += pulled.num_blocks
+        self.counters.kv_received_bytes += pulled.num_bytes
+        self.loader.stage(engine_id, pulled)
+
+    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext):
+        eng = self.engine
+
+        def snapshot():
+            return eng.stats(), eng.kv_manager.pool.cached_block_hashes(request.max_block_hashes)
+
+        stats, hashes = await self.aengine.run_between_steps(snapshot)
+        c = self.counters
+        return worker_pb2.StatsResponse(
+            role=self.config.role, address=self.address, model_id=self.config.model_id,
+            model_fingerprint=eng.fingerprint, block_size=eng.config.cache.block_size,
+            max_model_len=eng.max_model_len, num_waiting=int(stats["num_waiting"]),
+            num_running=int(stats["num_running"]), num_free_blocks=int(stats["num_free_blocks"]),
+            num_usable_blocks=int(stats["num_usable_blocks"]), num_held_transfers=len(self.transfers),
+            requests_total=c.requests, prompt_tokens_total=c.prompt_tokens,
+            cached_prompt_tokens_total=c.cached_prompt_tokens,
+            kv_sent_blocks=c.kv_sent_blocks, kv_sent_bytes=c.kv_sent_bytes,
+            kv_received_blocks=c.kv_received_blocks, kv_received_bytes=c.kv_received_bytes,
+            kv_loaded_tokens=self.loader.loaded_tokens, kv_pull_failures=c.kv_pull_failures,
+            transfers_expired=c.transfers_expired, cached_block_hashes=hashes,
+        )
+
+
+class WorkerServer:
+    """A started worker: gRPC server, servicer and the TTL sweeper."""
+
+    def __init__(self, aengine: AsyncLLMEngine, config: WorkerServerConfig):
+        self.aengine = aengine
+        self.config = config
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"could not listen on {config.host}:{config.port}; pick another --port")
+        self.address = f"{config.host}:{self.port}"
+        self.servicer = WorkerServicer(aengine, config, self.address)
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        self._sweeper = asyncio.create_task(self.servicer.expire_transfers_forever())
+        await set_serving(self.health, [SERVICE_NAME], True)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await set_serving(self.health, [SERVICE_NAME], False)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self.server.stop(grace)
+        for ch in self.servicer._channels.values():
+            await ch.close()
+        await self.aengine.shutdown()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvmesh.cli import _add_engine_args
+
+    p = argparse.ArgumentParser(prog="python -m kvmesh.worker.server", description="kvmesh gRPC worker")
+    p.add_argument("--role", default="unified", choices=["prefill", "decode", "unified"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
+    p.add_argument("--model-id", default="kvmesh")
+    p.add_argument("--transfer-ttl", type=float, default=30.0, help="seconds prefilled KV waits for a pull")
+    _add_engine_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvmesh.cli import _engine_config
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = WorkerServerConfig(role=args.role, host=args.host, port=args.port, model_id=args.model_id,
+                                transfer_ttl_s=args.transfer_ttl)
+    aengine = AsyncLLMEngine.from_config(_engine_config(args), progress=False)
+
+    async def run() -> None:
+        server = WorkerServer(aengine, config)
+
+        async def start() -> None:
+            await server.start()
+            # One parseable line: launchers and tests wait for it.
+            print(f"KVMESH_WORKER_READY role={config.role} address={server.address}", flush=True)
+
+        await run_until_signalled(start, server.stop)
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

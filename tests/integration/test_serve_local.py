@@ -1,0 +1,61 @@
+"""`kvmesh serve --local`: starts router + prefill + decode processes, serves, and
+shuts all of them down on SIGTERM."""
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from kvmesh._proto import llm_pb2, llm_pb2_grpc
+from kvmesh.serve.protocol import free_port
+from kvmesh_procs import collect
+
+
+@pytest.mark.timeout(180)
+def test_serve_local_serves_then_stops_cleanly(tiny_llama, tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "serve", "--local", "--model", str(tiny_llama), "--port", str(port),
+             "--threads", "1", "--num-blocks", "128", "--block-size", "4", "--max-model-len", "128",
+             "--pd-threshold-tokens", "8"], stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 150
+        while "Ctrl-C to stop" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        text = log.read_text()
+        assert f"router (kvmesh.v1.LLM) at 127.0.0.1:{port}" in text
+        workers = re.findall(r"(prefill|decode) worker \(kvmesh.v1.Worker\) at (\S+)", text)
+        assert [w[0] for w in workers] == ["prefill", "decode"]
+
+        async def main():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = llm_pb2_grpc.LLMStub(ch).Generate(llm_pb2.GenerateRequest(
+                    prompt="The quick brown fox jumps over the lazy dog.",
+                    params=llm_pb2.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)), timeout=60)
+                tokens, _, last = await collect(call)
+                return tokens, last, dict(await call.trailing_metadata())
+
+        tokens, last, meta = asyncio.run(main())
+        assert len(tokens) == 4 and last.finish_reason == "length" and meta["kvmesh-route"] == "pd"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # Every child is gone: nothing listens on the router or worker ports any more.
+    for addr in [f"127.0.0.1:{port}", *(w[1] for w in workers)]:
+        host, p = addr.rsplit(":", 1)
+        with pytest.raises(OSError):
+            socket.create_connection((host, int(p)), timeout=1).close()
