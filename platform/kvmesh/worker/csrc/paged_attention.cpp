@@ -46,6 +46,7 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float s = 0.f;
+#pragma omp simd reduction(+ : s)
           for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(krow[d]);
           scores[g * len + t] = s;
         }
@@ -67,7 +68,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
         const scalar_t* vrow = vp + ((blk * bs + t % bs) * KVH + h) * D;
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * len + t];
-          float* ag = acc.data() + g * D;
+          float* __restrict__ ag = acc.data() + g * D;
+#pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(vrow[d]);
         }
       }
