@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--draft", action="append", default=[], help="draft model folder (repeatable) or 'self'")
+    ap.add_argument("--quantized-self-draft", action="append", default=[], choices=["int8", "int4"],
+                    help="add a draft that is the target quantized at load (repeatable)")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -88,6 +90,9 @@ def main() -> None:
     configs = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": args.k}}
     for d in args.draft:
         configs[f"draft:{Path(d).name}"] = {"method": "draft", "model": d, "num_speculative_tokens": args.k}
+    for q in args.quantized_self_draft:
+        configs[f"draft:{q}-self"] = {"method": "draft", "model": "self", "quantization": q,
+                                      "num_speculative_tokens": args.k}
     results, texts = [], {}
     bar = tqdm(total=len(configs) * 4, desc="spec decode runs")
     for name, spec in configs.items():
