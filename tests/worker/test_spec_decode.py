@@ -149,3 +149,27 @@ def test_sampling_distribution_matches_and_broken_rule_is_caught(small_vocab, mo
     monkeypatch.setattr(spec_decode, "accept_prob", lambda p, q: torch.ones_like(p))
     broken, _ = _second_token_distribution(target, spec, n, seed0=20_000)
     assert 0.5 * (broken - exact).abs().sum().item() > 0.3
+
+
+def test_adaptive_speculation_backs_off_when_drafts_are_rejected(tiny_llama):
+    from kvmesh.engine import engine as engine_mod
+
+    llm = _llm(tiny_llama, speculative={"method": "draft", "model": "self", "num_speculative_tokens": 4})
+    eng = llm.engine
+    prompt = [11, 12, 13, 14] * 6
+    eng.add_request("r", prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    req = eng.scheduler.requests["r"]
+    while req.num_output_tokens == 0:
+        eng.step()  # (chunked) prefill, then the first token; drafts for the next step follow
+    assert req.spec_token_ids, "a draft model always proposes"
+    req.spec_token_ids = []
+    req.spec_acceptance_ema = 0.0  # as if its recent drafts were all rejected
+    assert req.num_output_tokens % engine_mod.SPEC_PROBE_EVERY != 0
+    eng._propose()
+    assert req.spec_token_ids == []  # backed off
+    req.spec_acceptance_ema = 1.0
+    eng._propose()
+    assert req.spec_token_ids  # speculating again
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.num_free_blocks == eng.num_usable_blocks

@@ -137,14 +137,16 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class CachePromptRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "ttl_seconds")
+    __slots__ = ("prompt", "prompt_token_ids", "ttl_seconds", "name")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ttl_seconds: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+    name: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ttl_seconds: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class CachePromptResponse(_message.Message):
     __slots__ = ("cache_id", "num_tokens")

@@ -91,8 +91,8 @@ class LLMServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CachePrompt(self, request, context):
-        """Pin / unpin a prompt prefix in the workers' caches (not implemented yet: the
-        service answers UNIMPLEMENTED).
+        """Pin / unpin a prompt prefix on every worker (and in the shared KV store): requests
+        that start with it never recompute it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -57,6 +57,16 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
+        self.CachePrompt = channel.unary_unary(
+                '/kvmesh.v1.Worker/CachePrompt',
+                request_serializer=kvmesh_dot_v1_dot_llm__pb2.CachePromptRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_llm__pb2.CachePromptResponse.FromString,
+                _registered_method=True)
+        self.UncachePrompt = channel.unary_unary(
+                '/kvmesh.v1.Worker/UncachePrompt',
+                request_serializer=kvmesh_dot_v1_dot_llm__pb2.UncachePromptRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_llm__pb2.UncachePromptResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/kvmesh.v1.Worker/Generate',
                 request_serializer=kvmesh_dot_v1_dot_llm__pb2.GenerateRequest.SerializeToString,
@@ -106,6 +116,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CachePrompt(self, request, context):
+        """Pin / unpin a prompt's KV on this worker (LLMEngine.cache_prompt).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UncachePrompt(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
         """Both phases on this worker (the unified path, and P/D for short prompts).
         """
@@ -142,6 +165,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ReleaseKV,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKVRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+            'CachePrompt': grpc.unary_unary_rpc_method_handler(
+                    servicer.CachePrompt,
+                    request_deserializer=kvmesh_dot_v1_dot_llm__pb2.CachePromptRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_llm__pb2.CachePromptResponse.SerializeToString,
+            ),
+            'UncachePrompt': grpc.unary_unary_rpc_method_handler(
+                    servicer.UncachePrompt,
+                    request_deserializer=kvmesh_dot_v1_dot_llm__pb2.UncachePromptRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_llm__pb2.UncachePromptResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -264,6 +297,60 @@ class Worker:
             '/kvmesh.v1.Worker/ReleaseKV',
             kvmesh_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CachePrompt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/CachePrompt',
+            kvmesh_dot_v1_dot_llm__pb2.CachePromptRequest.SerializeToString,
+            kvmesh_dot_v1_dot_llm__pb2.CachePromptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UncachePrompt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/UncachePrompt',
+            kvmesh_dot_v1_dot_llm__pb2.UncachePromptRequest.SerializeToString,
+            kvmesh_dot_v1_dot_llm__pb2.UncachePromptResponse.FromString,
             options,
             channel_credentials,
             insecure,

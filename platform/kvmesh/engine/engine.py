@@ -24,6 +24,10 @@ from kvmesh.errors import ConfigError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
+# Adaptive speculation: below this recent acceptance a request only probes.
+SPEC_MIN_ACCEPTANCE = 0.3
+SPEC_PROBE_EVERY = 8
+
 
 @dataclass
 class _OutputState:
@@ -148,9 +152,13 @@ class LLMEngine:
         if self.proposer is None or not running or len(running) > spec.max_batch_size:
             return
         k = spec.num_speculative_tokens
+        # Adaptive: a request whose recent drafts were mostly rejected stops paying for
+        # verification, except for a probe every SPEC_PROBE_EVERY tokens to notice
+        # when its text turns predictable again (e.g. starts quoting its input).
         cands = [r for r in running
                  if r.num_computed_tokens == r.num_tokens - 1 and r.sampling_params.can_speculate
-                 and r.num_output_tokens < r.sampling_params.max_tokens - 1]
+                 and r.num_output_tokens < r.sampling_params.max_tokens - 1
+                 and (r.spec_acceptance_ema >= SPEC_MIN_ACCEPTANCE or r.num_output_tokens % SPEC_PROBE_EVERY == 0)]
         if self.proposer.method == "draft":
             # The draft writes KV at the k draft positions: reserve the target's slots
             # now (the next schedule needs exactly these for 1 + k tokens anyway).

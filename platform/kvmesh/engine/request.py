@@ -62,6 +62,8 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_spec_proposed = 0
         self.num_spec_accepted = 0
+        # Recent draft acceptance (EMA), starting optimistic; drives adaptive speculation.
+        self.spec_acceptance_ema = 1.0
         # Keep the KV blocks after finishing (until released) instead of freeing them.
         self.hold_kv = False
         self.held_block_ids: list[int] | None = None

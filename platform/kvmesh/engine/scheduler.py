@@ -238,6 +238,7 @@ class Scheduler:
                 req.num_computed_tokens -= len(seq.spec_token_ids) - accepted
                 req.num_spec_proposed += len(seq.spec_token_ids)
                 req.num_spec_accepted += accepted
+                req.spec_acceptance_ema = 0.6 * req.spec_acceptance_ema + 0.4 * accepted / len(seq.spec_token_ids)
             new, status = [], None
             for token in tokens:
                 req.append_output_token(token)

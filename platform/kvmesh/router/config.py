@@ -36,7 +36,7 @@ class RouterConfig(_Base):
         "not already cached on the chosen decode worker.",
     )
     stats_interval_s: float = Field(0.5, gt=0, description="How often workers' Stats are polled.")
-    stats_timeout_s: float = Field(2.0, gt=0, description="Stats call timeout; a worker that misses it is unhealthy.")
+    stats_timeout_s: float = Field(2.0, gt=0, description="Stats call timeout; a late answer keeps the previous stats, an unreachable worker is skipped.")
     max_block_hashes: int = Field(4096, ge=0, description="Cached-block hashes asked from each worker per poll.")
     affinity_capacity: int = Field(
         65536, ge=0, description="Block hashes remembered per worker from the router's own routing decisions."

@@ -151,6 +151,11 @@ class WorkerPool:
             stats = await w.stub.Stats(worker_pb2.StatsRequest(max_block_hashes=self.max_block_hashes),
                                        timeout=self.stats_timeout_s)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.stats is not None:
+                # Busy, not gone: a worker deep in a long prefill answers Stats late. Skipping
+                # it would turn overload into failed requests; keep routing on its last stats.
+                logger.debug("worker %s answered Stats late; using its previous stats", w.address)
+                return
             if w.stats is not None and w.healthy():
                 logger.warning("worker %s missed its Stats poll (%s); skipping it for now", w.address, exc.code().name)
             w.mark_unhealthy(self.unhealthy_cooldown_s)

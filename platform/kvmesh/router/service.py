@@ -34,7 +34,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.plugins import RouteRequest, WorkerScheduler
 from kvmesh.router.registry import WorkerHandle, WorkerPool
 from kvmesh.serve.protocol import (
-    StatusError, abort_with, params_from_proto, params_to_proto, prompt_from_request,
+    StatusError, abort_with, params_from_proto, params_to_proto, prompt_cache_id, prompt_from_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -280,10 +280,33 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
             id=self.model_id, max_model_len=min(limits, default=0), block_size=self.pool.block_size or 0,
             fingerprint=self.pool.fingerprint or "")])
 
-    async def CachePrompt(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "CachePrompt is not implemented yet: prefixes are cached automatically by the workers' "
-                            "prefix caches and routed to by prefix affinity")
+    async def CachePrompt(self, request: llm_pb2.CachePromptRequest, context: grpc.aio.ServicerContext):
+        """Pin the prompt on every worker, so any of them serves it without recompute."""
+        try:
+            ids = list(request.prompt_token_ids) or (
+                self.tokenizer.encode(request.prompt, add_special_tokens=True) if request.prompt else [])
+            if not ids:
+                raise InvalidRequestError("prompt", "give the prompt text or prompt_token_ids to cache")
+            fwd = llm_pb2.CachePromptRequest(prompt_token_ids=ids, ttl_seconds=request.ttl_seconds,
+                                             name=request.name or prompt_cache_id(ids))
+            workers = self.pool.handles()
+            if not workers:
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, "no workers registered")
+            replies = await asyncio.gather(*(w.stub.CachePrompt(fwd, timeout=context.time_remaining())
+                                             for w in workers))
+            return llm_pb2.CachePromptResponse(cache_id=fwd.name, num_tokens=min(r.num_tokens for r in replies))
+        except grpc.aio.AbortError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), f"worker: {exc.details()}")
+        except Exception as exc:
+            await abort_with(context, exc)
 
-    async def UncachePrompt(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "UncachePrompt is not implemented yet")
+    async def UncachePrompt(self, request: llm_pb2.UncachePromptRequest, context: grpc.aio.ServicerContext):
+        if not request.cache_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cache_id: required (from CachePrompt)")
+        results = await asyncio.gather(*(w.stub.UncachePrompt(request, timeout=context.time_remaining())
+                                         for w in self.pool.handles()), return_exceptions=True)
+        if not any(not isinstance(r, BaseException) for r in results):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"cache_id {request.cache_id!r} is not cached")
+        return llm_pb2.UncachePromptResponse()

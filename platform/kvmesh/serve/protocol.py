@@ -25,6 +25,14 @@ from kvmesh.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
+
+def prompt_cache_id(token_ids: list[int]) -> str:
+    """Default CachePrompt id: the same prompt gets the same id on every worker."""
+    import hashlib
+    import struct
+
+    return "pc-" + hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()[:16]
+
 # Message size cap for every channel and server: KV chunks are <= 1 MiB by default,
 # but a caller may ask for bigger ones.
 MAX_MESSAGE_BYTES = 64 << 20

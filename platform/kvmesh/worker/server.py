@@ -30,7 +30,7 @@ from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError
 from kvmesh.serve.protocol import (
     CHANNEL_OPTIONS, StatusError, abort_with, add_health_and_reflection, output_to_proto,
-    params_from_proto, prompt_from_request, run_until_signalled, set_serving,
+    params_from_proto, prompt_cache_id, prompt_from_request, run_until_signalled, set_serving,
 )
 from kvmesh.worker.kv_transfer import (
     KVTransferError, PulledKVLoader, TransferTable, blocks_per_chunk, make_chunk, make_layout, pull_kv,
@@ -243,6 +243,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.counters.kv_received_blocks += pulled.num_blocks
         self.counters.kv_received_bytes += pulled.num_bytes
         self.loader.stage(engine_id, pulled)
+
+    async def CachePrompt(self, request: llm_pb2.CachePromptRequest, context: grpc.aio.ServicerContext):
+        try:
+            ids = list(request.prompt_token_ids) or (self.engine.encode(request.prompt) if request.prompt else [])
+            if not ids:
+                raise InvalidRequestError("prompt", "give the prompt text or prompt_token_ids to cache")
+            self.engine.validate_prompt_ids(ids)
+            name = request.name or prompt_cache_id(ids)
+            ttl = float(request.ttl_seconds) if request.ttl_seconds > 0 else None
+            # cache_prompt drives the engine until the prompt is computed; between steps
+            # is the only safe place (other requests' outputs are buffered, not lost).
+            n = await self.aengine.run_between_steps(lambda: self.engine.cache_prompt(name, ids, ttl))
+            return llm_pb2.CachePromptResponse(cache_id=name, num_tokens=n)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def UncachePrompt(self, request: llm_pb2.UncachePromptRequest, context: grpc.aio.ServicerContext):
+        if not request.cache_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cache_id: required (from CachePrompt)")
+        released = await self.aengine.run_between_steps(lambda: self.engine.uncache_prompt(request.cache_id))
+        if not released:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"cache_id {request.cache_id!r} is not cached here")
+        return llm_pb2.UncachePromptResponse()
 
     async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext):
         eng = self.engine
