@@ -14,20 +14,9 @@ from kvmesh._proto import llm_pb2, llm_pb2_grpc, worker_pb2_grpc
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.registry import InProcessRegistry
 from kvmesh.router.server import RouterServer, load_router_tokenizer
-from kvmesh_procs import collect, spawn_worker, stop, wait_idle, wait_ready, worker_stats
+from kvmesh_procs import collect, wait_idle, worker_stats
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def workers(tiny_llama, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("cache-prompt-logs")
-    procs = [spawn_worker(f"unified{i}", tiny_llama, "unified", logs) for i in range(2)]
-    try:
-        yield [wait_ready(p).address for p in procs]
-    finally:
-        for p in procs:
-            stop(p)
 
 
 def test_cache_prompt_pins_on_every_worker_and_uncache_releases(workers, tiny_llama):

@@ -14,24 +14,13 @@ from kvmesh._proto import llm_pb2, llm_pb2_grpc
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.registry import InProcessRegistry
 from kvmesh.router.server import RouterServer, load_router_tokenizer
-from kvmesh_procs import collect, spawn_worker, stop, wait_idle, wait_ready
+from kvmesh_procs import collect, wait_idle
 
 pytestmark = pytest.mark.timeout(180)
 
 SYSTEM_TOKENS = 48  # 12 blocks of 4
 TENANTS = 4
 ROUNDS = 3
-
-
-@pytest.fixture(scope="module")
-def workers(tiny_llama, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("affinity-logs")
-    procs = [spawn_worker(f"unified{i}", tiny_llama, "unified", logs) for i in range(2)]
-    try:
-        yield [wait_ready(p).address for p in procs]
-    finally:
-        for p in procs:
-            stop(p)
 
 
 def _ids(n: int, seed: int) -> list[int]:
