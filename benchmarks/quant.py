@@ -1,7 +1,9 @@
 """Weight quantization on the embedded SmolLM2-135M-Instruct: bytes, memory, speed, quality.
 
 Methods: fp32, bf16, int8 (per channel), int4 g32, int4 g128 (g64 on the 576-wide
-inputs, which 128 does not divide). Each method runs in its own child process (so
+inputs, which 128 does not divide; int4 quantizes the tied embedding / lm_head with
+the same scheme), and gguf-q4_1: the embedded model's own GGUF tensors kept quantized
+(Q4_1 projections, Q8_0 embedding / lm_head; ``--quantization gguf``). Each method runs in its own child process (so
 peak RSS is that method's alone) and measures:
 
 * weight bytes (parameters + quantized buffers, shared tensors once) and peak RSS
@@ -39,6 +41,7 @@ METHODS = {  # name -> (dtype, quantization, group size)
     "int8": ("float32", "int8", None),
     "int4-g32": ("float32", "int4", 32),
     "int4-g128": ("float32", "int4", 128),
+    "gguf-q4_1": ("float32", "gguf", None),
 }
 IDLE_LOAD = 0.5
 TARGETS = {"int8": 1.5, "int4-g32": 2.0}  # batch-1 decode speedup vs fp32
@@ -167,7 +170,7 @@ def _plot(rows: list[dict], path: Path) -> None:
               ("perplexity", [r["perplexity"] for r in rows])]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     for ax, (title, vals) in zip(axes, panels):
-        ax.bar(names, vals, color=["#888", "#aaa", "#3a7", "#37a", "#58c"][: len(names)])
+        ax.bar(names, vals, color=["#888", "#aaa", "#3a7", "#37a", "#58c", "#c73"][: len(names)])
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()

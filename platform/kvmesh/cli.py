@@ -28,8 +28,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "a quantized copy of the target)")
     p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"])
     p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="quantize the weights at load (a checkpoint saved quantized needs no flag)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
+                   help="quantize the weights at load (a checkpoint saved quantized needs no flag); "
+                        "gguf: keep the source GGUF's 4/8-bit weights as shipped (embedded model)")
     p.add_argument("--group-size", type=int, default=None, help="int4 group size: 32 (default), 64 or 128")
 
 
@@ -74,13 +75,94 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _changed_engine_flags(args) -> dict:
+    """Engine flags given on the command line (differing from their defaults), as flat
+    EngineConfig keyword arguments: they override the serving config's engine."""
+    defaults = build_parser().parse_args(["serve"])
+    full = _engine_config(args).model_dump()
+    base = _engine_config(defaults).model_dump()
+    out = {}
+    for section in ("model", "cache", "scheduler"):
+        out.update({k: v for k, v in full[section].items() if base[section][k] != v})
+    out.update({k: v for k, v in full.items() if k not in ("model", "cache", "scheduler") and base[k] != v})
+    return out
+
+
+def serving_config_from_args(args):
+    """`kvmesh serve` flags (+ --config FILE) -> ServingConfig."""
+    from kvmesh.config import EngineConfig
+    from kvmesh.serve.config import ServingConfig
+
+    cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
+    data = cfg.model_dump()
+    overrides = _changed_engine_flags(args)
+    if overrides:
+        flat = {**data["engine"]["model"], **data["engine"]["cache"], **data["engine"]["scheduler"],
+                **{k: v for k, v in data["engine"].items() if k not in ("model", "cache", "scheduler")}}
+        data["engine"] = EngineConfig.from_kwargs(**{**flat, **overrides}).model_dump()
+    if args.host is not None:
+        data["host"] = args.host
+    if args.port is not None:
+        data["grpc_port"] = args.port
+    if args.http_port is not None:
+        data["http_port"] = args.http_port
+    if args.redis_url:
+        data["kv_store"]["redis_url"] = args.redis_url
+    if args.prefill_replicas is not None:
+        data["prefill"] = None if args.prefill_replicas == 0 else {**(data["prefill"] or {}),
+                                                                   "replicas": args.prefill_replicas}
+    if args.decode_replicas is not None:
+        data["decode"] = {**data["decode"], "replicas": args.decode_replicas, "autoscaling": None}
+    if args.pd_threshold_tokens is not None:
+        data["router"]["config"]["pd_threshold_tokens"] = args.pd_threshold_tokens
+    return ServingConfig.model_validate(data)
+
+
 def cmd_serve(args) -> int:
+    if args.local:
+        return _serve_local(args)
+    import signal
+
+    from kvmesh.serve import app as ray_app
+
+    cfg = serving_config_from_args(args)
+    started = ray_app.start_ray(args.address, cfg)
+    mode = "disaggregated (prefill + decode)" if cfg.disaggregated else "unified"
+    print(f"kvmesh: deploying {cfg.name!r} ({mode}) on Ray; first start loads the model...", flush=True)
+    try:
+        ray_app.deploy(cfg)
+    except BaseException:
+        if started:
+            ray_app.shutdown(cfg, stop_ray=True)
+        raise
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
+    print(f"kvmesh: gRPC (kvmesh.v1.LLM) at {host}:{cfg.grpc_port}", flush=True)
+    print(f"kvmesh: OpenAI-compatible HTTP at http://{host}:{cfg.http_port}/v1", flush=True)
+    print(f"KVMESH_SERVE_READY grpc={host}:{cfg.grpc_port} http=http://{host}:{cfg.http_port}", flush=True)
+    if args.detach:
+        print("kvmesh: deployed; --detach leaves it running on the Ray cluster", flush=True)
+        return 0
+    import time
+
+    # A plain list, not a threading.Event: Event.set() in a signal handler can deadlock
+    # on the lock that Event.wait() holds in the same (main) thread.
+    signals: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _: signals.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    print("kvmesh: Ctrl-C to stop", flush=True)
+    try:
+        while not signals:
+            time.sleep(0.2)
+    finally:
+        print("kvmesh: shutting down", flush=True)
+        ray_app.shutdown(cfg, stop_ray=started)
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 0
+
+
+def _serve_local(args) -> int:
     from kvmesh.serve.local import serve_local
 
-    if not args.local:
-        print("kvmesh: error: only `kvmesh serve --local` exists so far (router + prefill + decode "
-              "worker as local processes); Ray Serve deployment comes later", file=sys.stderr)
-        return 2
     engine_args = []
     for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--device", args.device),
                         ("--max-model-len", args.max_model_len), ("--block-size", args.block_size),
@@ -88,13 +170,16 @@ def cmd_serve(args) -> int:
                         ("--max-num-seqs", args.max_num_seqs),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens), ("--threads", args.threads),
                         ("--quantization", args.quantization), ("--group-size", args.group_size),
-                        ("--kv-store", args.kv_store)):
+                        ("--kv-store", args.redis_url or args.kv_store)):
         if value is not None:
             engine_args += [flag, str(value)]
     if args.no_prefix_caching:
         engine_args.append("--no-prefix-caching")
-    router_args = ["--pd-threshold-tokens", str(args.pd_threshold_tokens)]
-    return serve_local(engine_args, args.host, args.port, router_args, args.transfer_ttl, args.model)
+    router_args = ["--pd-threshold-tokens", str(256 if args.pd_threshold_tokens is None else args.pd_threshold_tokens)]
+    if args.http_port is not None:
+        router_args += ["--http-port", str(args.http_port)]
+    return serve_local(engine_args, args.host or "127.0.0.1", 50051 if args.port is None else args.port,
+                       router_args, args.transfer_ttl, args.model)
 
 
 def cmd_quantize(args) -> int:
@@ -127,13 +212,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-v", "--verbose", action="store_true", help="print token count and timings to stderr")
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
-    s = sub.add_parser("serve", help="serve the gRPC API (kvmesh.v1.LLM)")
+    s = sub.add_parser("serve", help="serve gRPC (kvmesh.v1.LLM) and OpenAI-compatible HTTP on Ray Serve")
+    s.add_argument("--config", default=None, help="serving config YAML (kvmesh.serve.config.ServingConfig)")
+    s.add_argument("--address", default=None,
+                   help="join this Ray cluster (e.g. auto, ray://head:10001); default: start a local Ray instance")
+    s.add_argument("--detach", action="store_true",
+                   help="deploy or update the app on --address and exit (e.g. to change replica counts)")
+    s.add_argument("--redis-url", default=None, help="shared KV store redis://host:port/db (default: in-memory)")
+    s.add_argument("--prefill-replicas", type=int, default=None,
+                   help="prefill replicas; > 0 means disaggregated prefill/decode (default: from config, 0)")
+    s.add_argument("--decode-replicas", type=int, default=None, help="decode (or unified) replicas")
     s.add_argument("--local", action="store_true",
-                   help="router + one prefill + one decode worker as processes on this machine (no Ray)")
-    s.add_argument("--host", default="127.0.0.1", help="router listen address")
-    s.add_argument("--port", type=int, default=50051, help="router port")
-    s.add_argument("--pd-threshold-tokens", type=int, default=256,
-                   help="prompts with fewer uncached tokens skip prefill/decode disaggregation")
+                   help="no Ray: router + one prefill + one decode worker as processes on this machine")
+    s.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
+    s.add_argument("--http-port", type=int, default=None, help="HTTP port (default 8000; --local: off unless set)")
+    s.add_argument("--pd-threshold-tokens", type=int, default=None,
+                   help="prompts with fewer uncached tokens skip prefill/decode disaggregation (default 256)")
     s.add_argument("--transfer-ttl", type=float, default=30.0, help="seconds prefilled KV waits for its decode")
     _add_engine_args(s)
     s.set_defaults(func=cmd_serve)
@@ -143,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--method", required=True, choices=["int8", "int4"])
     q.add_argument("--group-size", type=int, default=None, help="int4 group size: 32 (default), 64 or 128")
     q.set_defaults(func=cmd_quantize)
+    from kvmesh.optimize.cli import add_optimize_parser
+
+    add_optimize_parser(sub)
     return parser
 
 

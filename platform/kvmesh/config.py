@@ -29,11 +29,13 @@ class ModelConfig(_Base):
         None, ge=2, description="Max prompt + output tokens per request; defaults to the model's limit."
     )
     seed: int = Field(0, description="Seed of the engine-wide generator used by unseeded requests.")
-    quantization: Literal["int8", "int4"] | None = Field(
+    quantization: Literal["int8", "int4", "gguf"] | None = Field(
         None,
         description="Quantize a float checkpoint's weights at load (kvmesh.quant): int8 per output "
-        "channel or int4 per group. Checkpoints saved quantized (kvmesh quantize, GPTQ, AWQ) load "
-        "quantized without it.",
+        "channel or int4 per group (embedding / lm_head included). 'gguf' instead loads the GGUF the "
+        "folder was converted from (the embedded model's Q4_1 file, or the one *.gguf beside "
+        "config.json) with its Q4_0 / Q4_1 / Q8_0 tensors kept quantized as shipped. Checkpoints "
+        "saved quantized (kvmesh quantize, GPTQ, AWQ) load quantized without it.",
     )
     quantization_group_size: int | None = Field(
         None, description="int4 group size: 32 (default), 64 or 128. Only with quantization=int4."

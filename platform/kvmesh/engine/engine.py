@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
@@ -21,6 +22,9 @@ from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, StepResult
 from kvmesh.errors import ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvmesh.compress.options import CompressionOptions
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ class _OutputState:
     detok: IncrementalDetokenizer
     logprobs: list[TokenLogprobs] | None
     token_ids: list[int] = field(default_factory=list)
+    original_prompt_tokens: int | None = None  # before compression; None: not compressed
 
 
 class LLMEngine:
@@ -211,17 +216,32 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_text: str | None = None,
         hold_kv: bool = False,
+        compression: CompressionOptions | dict | None = None,
     ) -> str:
         """Validate, tokenize and queue a request; returns its id.
 
         `prompt` is text or token ids; `prompt_text` labels a pre-tokenized prompt
         with its text in the outputs. With `hold_kv` the request's KV blocks outlive it
         (see RequestOutput.held_block_ids) until `release_kv(request_id)`.
+        `compression` (kvmesh.compress.CompressionOptions or a dict) compresses the
+        `<context>...</context>` spans of a text prompt first (synchronously: TTFT
+        includes it; outputs' metrics then carry `original_prompt_tokens`). None leaves
+        the prompt exactly as given.
         """
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._states:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        original_prompt_tokens = None
+        if compression is not None:
+            from kvmesh.compress import compress_prompt, parse_options
+
+            arrival_time = time.monotonic() if arrival_time is None else arrival_time
+            opts = parse_options(compression)
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidRequestError("compression", "needs a text prompt with <context>...</context> spans")
+            original_prompt_tokens = len(self.encode(prompt))
+            prompt = compress_prompt(prompt, opts, tokenizer=self.tokenizer).text
         text = prompt if isinstance(prompt, str) else prompt_text
         if prompt is None or (isinstance(prompt, str) and not prompt):
             raise InvalidRequestError("prompt", "must not be empty")
@@ -232,7 +252,7 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self._states[request_id] = _OutputState(
             req, IncrementalDetokenizer(self.tokenizer, ids, params),
-            [] if params.logprobs is not None else None,
+            [] if params.logprobs is not None else None, original_prompt_tokens=original_prompt_tokens,
         )
         return request_id
 
@@ -319,6 +339,8 @@ class LLMEngine:
             finished = True
         state.token_ids.extend(res.new_token_ids)
         metrics = {"ttft_s": req.first_token_time - req.arrival_time}
+        if state.original_prompt_tokens is not None:
+            metrics["original_prompt_tokens"] = state.original_prompt_tokens
         if finished:
             self._states.pop(req.request_id, None)
             metrics["e2e_s"] = now - req.arrival_time

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvmesh.compress.options import CompressionOptions
 
 
 class LLM:
@@ -30,19 +34,29 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        compression: CompressionOptions | dict | Sequence[CompressionOptions | dict | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); results in input order."""
+        """Generate for every prompt (text or token ids); results in input order.
+
+        `compression` (kvmesh.compress.CompressionOptions or a dict, applied to every
+        prompt, or a list with one entry or None per prompt) compresses the
+        `<context>...</context>` spans of text prompts first.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        if not isinstance(compression, (list, tuple)):
+            compression = [compression] * len(prompts)
+        if len(compression) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(compression)} compression options")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, c in zip(prompts, params, compression):
                 self._counter += 1
-                ids.append(self.engine.add_request(f"llm-{self._counter}", prompt, p))
+                ids.append(self.engine.add_request(f"llm-{self._counter}", prompt, p, compression=c))
         except Exception:
             self.engine.abort(ids)
             raise

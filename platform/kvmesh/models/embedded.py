@@ -39,7 +39,18 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """GGUF tensor name (`blk.N.attn_q.weight`) -> HF Llama name; ValueError if unknown."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _BLOCK_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
+    return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
 
 
 def gguf_path() -> Path:
@@ -66,6 +77,16 @@ def _model_dir() -> Path:
 def _marker_for(src: Path) -> dict:
     # The source size identifies the GGUF release cheaply; the version covers our own changes.
     return {"source": src.name, "source_size": src.stat().st_size, "format_version": _FORMAT_VERSION}
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The bundled GGUF if `folder` is the embedded model's converted folder, else None."""
+    try:
+        src = gguf_path()
+    except FileNotFoundError:
+        return None
+    same = folder.resolve() == _model_dir().resolve()
+    return src if same and _is_complete(folder, src) else None
 
 
 def _is_complete(folder: Path, src: Path) -> bool:
@@ -118,7 +139,7 @@ def ensure_embedded_model(progress: bool = True) -> Path:
     return target
 
 
-def _unpermute(w, n_head: int):
+def unpermute_rows(w, n_head: int):
     """Undo llama.cpp's q/k row permutation (same as transformers' GGUF loader).
 
     convert_hf_to_gguf.py reorders each head's rows from HF's half-split rotary
@@ -145,20 +166,16 @@ def _convert(src: Path, out: Path, progress: bool) -> None:
     n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
 
     tensors = {}
-    for t in tqdm(reader.tensors, desc=f"Converting {EMBEDDED_MODEL_NAME}", unit="tensor", disable=not progress):
-        w = dequantize(t.data, t.tensor_type)  # numpy (rows, cols) order, float32
-        if t.name in _TOP_NAMES:
-            name = _TOP_NAMES[t.name]
-        else:
-            _, layer, kind, _ = t.name.split(".")  # blk.N.kind.weight
-            name = f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.weight"
-            if kind == "attn_q":
-                w = _unpermute(w, n_head)
-            elif kind == "attn_k":
-                w = _unpermute(w, n_kv)
-        tensors[name] = np.ascontiguousarray(w, dtype=np.float32)
     if "output.weight" in {t.name for t in reader.tensors}:
         raise ValueError("untied lm_head not supported by this converter")
+    for t in tqdm(reader.tensors, desc=f"Converting {EMBEDDED_MODEL_NAME}", unit="tensor", disable=not progress):
+        w = dequantize(t.data, t.tensor_type)  # numpy (rows, cols) order, float32
+        name = hf_tensor_name(t.name)
+        if name.endswith("self_attn.q_proj.weight"):
+            w = unpermute_rows(w, n_head)
+        elif name.endswith("self_attn.k_proj.weight"):
+            w = unpermute_rows(w, n_kv)
+        tensors[name] = np.ascontiguousarray(w, dtype=np.float32)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     bos, eos = meta["tokenizer.ggml.bos_token_id"], meta["tokenizer.ggml.eos_token_id"]

@@ -55,7 +55,7 @@ def load_model(path: Path, dtype, device, max_positions: int,
     """Build the model for `path` and load its weights; returns (model, ArchConfig).
 
     `quantization` ("int8" / "int4", see kvmesh.quant) quantizes a float checkpoint
-    while loading; a checkpoint whose config.json has a `quantization_config`
+    while loading, "gguf" loads the GGUF the folder came from kept quantized; a checkpoint whose config.json has a `quantization_config`
     (kvmesh, GPTQ, AWQ) is loaded quantized as stored.
     """
     import torch

@@ -4,15 +4,16 @@ A quantized linear layer `P` (an HF module path such as
 `model.layers.0.self_attn.q_proj`) is stored as `P.<suffix>` tensors. Each format
 turns one module's tensors into kvmesh's canonical ones (see primitives.py):
 
-- int8: `qweight` int8 (out, in), `scales` (out,)
-- int4: `qweight` uint8 (out, in / 2) packed nibbles, `scales` / `zeros` fp16
-  (out, in / G), and `perm` int64 (in,) when the checkpoint's groups are not
+- int8: `qweight` int8 (out, in), `scales` (out,) or (out, in / G)
+- int4: `qweight` uint8 (out, in / 2) packed nibbles, `scales` and `zeros` (or
+  `mins`, GGUF Q4_1's form) fp16 (out, in / G), and `perm` int64 (in,) when the checkpoint's groups are not
   consecutive input columns (GPTQ act-order, `desc_act`): the module then reads
   its input as `x[:, perm]`.
 
 Formats:
 
-- `kvmesh` (written by `kvmesh quantize`): already canonical.
+- `kvmesh` (written by `kvmesh quantize`, and the tensor stream of the GGUF reader,
+  gguf.py): already canonical.
 - `gptq` (AutoGPTQ / GPTQModel / optimum, 4 bit): `qweight` int32 (in / 8, out),
   eight inputs per int32, input 8r+k in bits 4k..4k+3 of row r; `qzeros` int32
   (groups, out / 8) packed the same way along the output dim; `scales` fp16
@@ -71,13 +72,13 @@ class CheckpointFormat(ABC):
 
 class KVMeshFormat(CheckpointFormat):
     name = "kvmesh"
-    suffixes = frozenset({"qweight", "scales", "zeros"})
+    suffixes = frozenset({"qweight", "scales", "zeros", "mins"})
 
     def scheme(self, suffixes: set[str]) -> str:
-        return "int4" if "zeros" in suffixes else "int8"
+        return "int4" if suffixes & {"zeros", "mins"} else "int8"
 
     def convert(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        need = {"qweight", "scales"} | ({"zeros"} if "zeros" in tensors else set())
+        need = {"qweight", "scales"} | ({"zeros", "mins"} & tensors.keys())
         _require(module, tensors, need)
         return {k: tensors[k] for k in need}
 

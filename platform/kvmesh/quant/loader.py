@@ -1,13 +1,16 @@
 """Build a quantized model: swap modules for quantized ones, then route checkpoint tensors.
 
-Two sources, one path:
+Three sources, one path:
 
 - a checkpoint already quantized (config.json `quantization_config`: kvmesh, gptq,
   awq): which modules are quantized is read from the tensor names (a module is
   quantized iff `<module>.qweight` exists), and its tensors are converted by the
   format's reader (formats.py);
 - a float checkpoint plus `--quantization METHOD`: the method's offline pass runs on
-  the tensor stream as it is read, producing kvmesh-format tensors.
+  the tensor stream as it is read, producing kvmesh-format tensors;
+- `--quantization gguf`: the GGUF file the folder was converted from, its Q4_0 / Q4_1 /
+  Q8_0 tensors streamed as kvmesh-format tensors without a float round trip
+  (gguf_weights.py).
 
 Order: build on meta -> swap modules (quantized ones allocate on first load) ->
 materialize the rest -> stream: float tensors go through the model's own
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from kvmesh.errors import ConfigError
+from kvmesh.quant import gguf_weights
 from kvmesh.quant.formats import CheckpointFormat, KVMeshFormat, format_from_config
 from kvmesh.quant.methods import EMBED_NAME, HEAD_NAME, LINEAR_NAMES, QuantMethod, get_method
 from kvmesh.quant.modules import QuantEmbedding, QuantLinear
@@ -45,6 +49,9 @@ def quantization_id(path: Path, quantization: str | None, group_size: int | None
     qc = read_quantization_config(path)
     if qc is not None:
         return {"checkpoint": qc}
+    if quantization == gguf_weights.METHOD:
+        _check_gguf_args(group_size)
+        return gguf_weights.fingerprint(path)
     if quantization is None:
         if group_size is not None:
             raise ConfigError("model.quantization_group_size: set only together with model.quantization")
@@ -80,10 +87,15 @@ def _plan_from_keys(keys: Iterable[str], fmt: CheckpointFormat) -> dict[str, str
     return {p: fmt.scheme(s) for p, s in suffixes.items() if "qweight" in s}
 
 
+def _check_gguf_args(group_size: int | None) -> None:
+    if group_size is not None:
+        raise ConfigError("model.quantization_group_size: GGUF blocks are 32 columns; drop it with quantization=gguf")
+
+
 def _plan_from_method(model: nn.Module, method: QuantMethod, tied: bool) -> dict[str, str]:
-    plan = {EMBED_NAME: "int8"}
+    plan = {EMBED_NAME: method.embedding_scheme()}
     if not tied:
-        plan[HEAD_NAME] = "int8"
+        plan[HEAD_NAME] = method.embedding_scheme()
     for name, _ in model.named_modules():
         if name.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             # Expand fused modules back to their HF shards: the stream has HF names.
@@ -102,13 +114,12 @@ def _swap(model: nn.Module, plan: dict[str, str], tied: bool, device: torch.devi
     new: dict[str, nn.Module] = {}
     for target, schemes in by_target.items():
         if len(schemes) != 1:
-            raise ValueError(f"checkpoint: the shards of {target} are quantized differently ({sorted(schemes)})")
+            raise ValueError(f"checkpoint: the shards of {target} are quantized differently ({sorted(schemes)}); "
+                             "kvmesh fuses them into one module, so they need one scheme (int8 or int4)")
         scheme = schemes.pop()
         old = model.get_submodule(target)
         if target == EMBED_NAME:
-            if scheme != "int8":
-                raise ValueError(f"checkpoint: {EMBED_NAME} must be int8-quantized, got {scheme}")
-            module = QuantEmbedding(old.num_embeddings, old.embedding_dim, device)
+            module = QuantEmbedding(old.num_embeddings, old.embedding_dim, device, scheme)
         elif isinstance(old, nn.Linear):
             if target == HEAD_NAME and tied:
                 raise ValueError("checkpoint: lm_head is quantized but tied to a float embedding")
@@ -146,6 +157,10 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
                               f"({qc.get('quant_method')}); drop --quantization")
         fmt = format_from_config(qc)
         plan = _plan_from_keys(_safetensors_keys(path), fmt)
+    elif quantization == gguf_weights.METHOD:
+        _check_gguf_args(group_size)
+        fmt = KVMeshFormat()
+        plan, weights = gguf_weights.read_gguf(gguf_weights.find_gguf(path), cfg)
     else:
         method = get_method(quantization, group_size)
         fmt = KVMeshFormat()

@@ -6,11 +6,13 @@ weight `P.weight` becomes kvmesh's canonical quantized tensors `P.qweight`,
 streaming tensor by tensor, so a float checkpoint is never fully held twice.
 
 Which weights: the seven Llama projections (q/k/v/o, gate/up/down) use the method's
-scheme; the token embedding and the lm_head are always int8 per row. Reason: with
+scheme, and so do the token embedding and the lm_head (`embedding_scheme`). With
 tied embeddings (SmolLM2) the vocabulary matrix is both the embedding and the
-lm_head, 21% of the 135M model's bytes and read whole at every decode step; int8
-per row serves both the gather and the matmul from one copy, and keeps the most
-quality-sensitive layer at 8 bits (as llama.cpp's Q4 mixes keep `output` wider).
+lm_head, 21% of the 135M model's bytes and read whole at every decode step; one
+quantized copy serves both the gather (rows dequantized on lookup) and the matmul.
+int8 keeps it int8 per row. int4 quantizes it int4 as well: at int8 it alone held
+int4-g32's total at 0.177x the float32 bytes; at int4 g32 the model is 0.156x, and
+the perplexity cost on the quality text was measured small (benchmarks/quant.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ class QuantMethod(ABC):
     def quantize_linear(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """(out, in) float weight -> canonical tensors by suffix."""
 
+    def embedding_scheme(self) -> str:
+        """The scheme of the token embedding and the lm_head (int8 per row by default)."""
+        return "int8"
+
+    def quantize_embedding(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """(vocab, hidden) float embedding / lm_head -> canonical tensors by suffix."""
+        return _int8(w)
+
     def config(self) -> dict[str, Any]:
         """The config.json `quantization_config` of a checkpoint quantized with this method."""
         return {"quant_method": "kvmesh", "method": self.name}
@@ -68,8 +78,8 @@ class QuantMethod(ABC):
                 yield name, tensor
                 continue
             if kind == "head" and tie_word_embeddings:
-                continue  # the embedding's int8 copy is the head
-            parts = self.quantize_linear(tensor) if kind == "linear" else _int8(tensor)
+                continue  # the embedding's quantized copy is the head
+            parts = self.quantize_linear(tensor) if kind == "linear" else self.quantize_embedding(tensor)
             for key, value in parts.items():
                 yield f"{prefix}.{key}", value
 
@@ -124,11 +134,17 @@ class Int4Method(QuantMethod):
         q, s, z = quantize_int4(w, self.group_for(w.shape[1]))
         return {"qweight": pack_int4(q), "scales": s, "zeros": z}
 
+    def embedding_scheme(self) -> str:
+        return "int4"
+
+    def quantize_embedding(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.quantize_linear(w)
+
     def config(self) -> dict[str, Any]:
         return {**super().config(), "group_size": self.group_size}
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"method": self.name, "group_size": self.group_size}
+        return {"method": self.name, "group_size": self.group_size, "embedding": self.embedding_scheme()}
 
 
 QUANT_METHODS: dict[str, type[QuantMethod]] = {}

@@ -18,8 +18,9 @@ from torch import nn
 from kvmesh.quant.kernels import int4_matmul, int8_matmul
 from kvmesh.quant.primitives import dequantize_int4, dequantize_int8, unpack_int4
 
-# Canonical buffers per scheme (see primitives.py); "perm" is optional for int4.
-SCHEME_TENSORS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros")}
+# Canonical buffers per scheme (see primitives.py). int4 takes "zeros" or "mins" (GGUF
+# Q4_1), never both; "perm" is optional for int4.
+SCHEME_TENSORS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros", "mins")}
 
 
 class QuantLinear(nn.Module):
@@ -37,7 +38,7 @@ class QuantLinear(nn.Module):
         self.device = torch.device(device)
         self._loaded: set[str] = set()
         self._bias_loaded: set[str] = set()
-        for name in ("qweight", "scales", "zeros", "bias", "perm"):
+        for name in ("qweight", "scales", "zeros", "mins", "bias", "perm"):
             self.register_buffer(name, None)
 
     @classmethod
@@ -98,21 +99,36 @@ class QuantLinear(nn.Module):
         """After loading: check completeness and put the tensors in their run-time dtypes."""
         if self.missing():
             raise ValueError(f"checkpoint is missing {self.missing()}")
+        if self.scheme == "int4" and (self.zeros is None) == (self.mins is None):
+            raise ValueError("int4 module needs exactly one of 'zeros' / 'mins' for all its shards")
         self.scales = self.scales.to(torch.float32 if self.scheme == "int8" else torch.float16).contiguous()
-        if self.zeros is not None:
-            self.zeros = self.zeros.to(torch.float16).contiguous()
+        for name in ("zeros", "mins"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(torch.float16).contiguous())
         if self.bias is not None:
             self.bias = self.bias.to(dtype)
 
+    def _dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                    dtype: torch.dtype) -> torch.Tensor:
+        if self.scheme == "int8":
+            return dequantize_int8(qweight, scales, dtype)
+        return dequantize_int4(unpack_int4(qweight), scales, offsets, dtype, self.mins is not None)
+
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight this module computes with, (out, in), in input-column order."""
-        if self.scheme == "int8":
-            w = dequantize_int8(self.qweight, self.scales, dtype)
-        else:
-            w = dequantize_int4(unpack_int4(self.qweight), self.scales, self.zeros, dtype)
+        w = self._dequantize(self.qweight, self.scales, self._offsets(), dtype)
         if self.perm is not None:  # column j of w is input perm[j]
             w = torch.empty_like(w).index_copy_(1, self.perm, w)
         return w
+
+    def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `rows` of the dequantized weight, (len(rows), in): an embedding gather."""
+        offsets = self._offsets()
+        return self._dequantize(self.qweight.index_select(0, rows), self.scales.index_select(0, rows),
+                                None if offsets is None else offsets.index_select(0, rows), dtype)
+
+    def _offsets(self) -> torch.Tensor | None:
+        return self.zeros if self.zeros is not None else self.mins
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
@@ -120,35 +136,35 @@ class QuantLinear(nn.Module):
         if self.scheme == "int8":
             y = int8_matmul(x, self.qweight, self.scales)
         else:
-            y = int4_matmul(x, self.qweight, self.scales, self.zeros)
+            y = int4_matmul(x, self.qweight, self.scales, self._offsets(), self.mins is not None)
         return y if self.bias is None else y + self.bias
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros, self.bias)
-                   if t is not None)
+        return sum(t.numel() * t.element_size()
+                   for t in (self.qweight, self.scales, self.zeros, self.mins, self.bias) if t is not None)
 
     def extra_repr(self) -> str:
         return f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}"
 
 
 class QuantEmbedding(nn.Module):
-    """Token embedding stored int8 per row; rows are dequantized on gather.
+    """Token embedding stored quantized (int8 per row or group, or int4 per group);
+    only the looked-up rows are dequantized.
 
     With tied embeddings the same storage is the lm_head: `head` is a QuantLinear
     whose buffers are this module's, so the vocabulary matrix is held (and read per
-    decode step) once, at 1 byte per weight instead of 4.
+    decode step) once, at 1 byte (int8) or 5/8 byte (int4 g32) per weight instead of 4.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, device: torch.device | str = "cpu"):
+    def __init__(self, num_embeddings: int, embedding_dim: int, device: torch.device | str = "cpu",
+                 scheme: str = "int8"):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.head = QuantLinear("int8", embedding_dim, num_embeddings, bias=False, device=device)
+        self.head = QuantLinear(scheme, embedding_dim, num_embeddings, bias=False, device=device)
         self.dtype = torch.float32
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q = self.head.qweight.index_select(0, ids)
-        s = self.head.scales.index_select(0, ids)
-        return (q.to(torch.float32) * s[:, None]).to(self.dtype)
+        return self.head.dequantize_rows(ids, self.dtype)
 
     def finalize(self, dtype: torch.dtype) -> None:
         self.head.finalize(dtype)

@@ -21,7 +21,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "cpu_gemm.c"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-std=gnu11", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -76,10 +76,10 @@ def get_lib() -> ctypes.CDLL | None:
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.kvm_int8_gemm.argtypes = [p, i64, i64, p, p, i64, p]
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.kvm_int8_gemm.argtypes = [p, i64, i64, p, p, i64, i64, p]
     lib.kvm_int8_gemm.restype = None
-    lib.kvm_int4_gemm.argtypes = [p, p, p, i64, i64, p, p, p, i64, i64, p]
-    lib.kvm_int4_gemm.restype = None
+    lib.kvm_int4_gemm.argtypes = [p, i64, i64, p, p, p, i32, i64, i64, p]
+    lib.kvm_int4_gemm.restype = ctypes.c_int
     _lib = lib
     return lib

@@ -3,21 +3,25 @@
 Two weight formats, both laid out row-major over the output dim so that a fused
 projection (qkv, gate_up) is just its shards' rows concatenated:
 
-int8, per output channel, symmetric::
+int8, symmetric, per output channel or per group of G consecutive input columns::
 
     w[o, i] ~= q[o, i] * s[o]                q int8 in [-127, 127], s float32 (out,)
+    w[o, i] ~= q[o, i] * s[o, i // G]        grouped: s float32 (out, in / G) (GGUF Q8_0, G = 32)
 
-int4, groups of G consecutive input columns, asymmetric::
+int4, groups of G consecutive input columns, asymmetric, in one of two forms::
 
-    w[o, i] ~= (q[o, i] - z[o, g]) * s[o, g]  g = i // G, q in [0, 15]
+    w[o, i] ~= (q[o, i] - z[o, g]) * s[o, g]  g = i // G, q in [0, 15]   ("zeros")
+    w[o, i] ~= q[o, i] * s[o, g] + m[o, g]                                ("mins", GGUF Q4_1)
 
 `z` is the zero point in quantization steps. It is an integer for GPTQ / AWQ
 checkpoints (so they convert exactly) and fractional for kvmesh's own min/max
 quantizer (`z = -min / s`, which puts the group's min and max exactly on the grid
-ends 0 and 15). `s` and `z` are stored as float16, as GPTQ / AWQ do.
+ends 0 and 15). `m` is the group's additive minimum, stored as is by GGUF Q4_1
+(`-z * s` is not a float16 in general, so Q4_1 keeps its own form to load exactly).
+`s`, `z` and `m` are stored as float16, as GPTQ / AWQ / GGUF do.
 
-Packed int4 on disk and in the fallback path: uint8 (out, in / 2), the low nibble
-holds the even column, the high nibble the odd one.
+Packed int4 on disk and at run time: uint8 (out, in / 2), the low nibble holds the
+even column, the high nibble the odd one.
 """
 
 from __future__ import annotations
@@ -38,7 +42,12 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.to(torch.float32) * scales.float()[:, None]).to(dtype)
+    """q (out, in) int8 + scales (out,) or (out, in / G) -> (out, in) float."""
+    if scales.dim() == 1:
+        return (q.to(torch.float32) * scales.float()[:, None]).to(dtype)
+    out_f, in_f = q.shape
+    g = q.reshape(out_f, scales.shape[1], -1).to(torch.float32) * scales.float()[..., None]
+    return g.reshape(out_f, in_f).to(dtype)
 
 
 def check_group_size(in_features: int, group_size: int) -> None:
@@ -68,13 +77,18 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     return q.to(torch.uint8).reshape(out_f, in_f), scales, zeros
 
 
-def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Unpacked q (out, in) uint8 + per-group params -> (out, in) float."""
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                    dtype: torch.dtype = torch.float32, mins: bool = False) -> torch.Tensor:
+    """Unpacked q (out, in) uint8 + per-group params -> (out, in) float.
+
+    `offsets` are zero points z (w = (q - z) * s), or with `mins` the minima m of
+    GGUF Q4_1 (w = q * s + m).
+    """
     out_f, in_f = q.shape
     groups = scales.shape[1]
     g = q.reshape(out_f, groups, in_f // groups).float()
-    w = (g - zeros.float()[..., None]) * scales.float()[..., None]
+    s, o = scales.float()[..., None], offsets.float()[..., None]
+    w = g * s + o if mins else (g - o) * s
     return w.reshape(out_f, in_f).to(dtype)
 
 

@@ -133,6 +133,9 @@ class WorkerPool:
         self.unhealthy_cooldown_s = unhealthy_cooldown_s
         self.fingerprint: str | None = None  # of the first worker seen; others must match
         self.block_size: int | None = None
+        # Workers that left the registry (scale-down) but still stream requests: no new
+        # work goes to them, their channels close once their last stream ends.
+        self.retiring: dict[str, WorkerHandle] = {}
 
     def handles(self) -> list[WorkerHandle]:
         return list(self.workers.values())
@@ -140,7 +143,14 @@ class WorkerPool:
     async def refresh(self) -> None:
         addresses = self.registry.addresses()
         for gone in set(self.workers) - set(addresses):
-            await self.workers.pop(gone).close()
+            self.retiring[gone] = self.workers.pop(gone)
+        for addr, w in list(self.retiring.items()):
+            if w.in_flight <= 0 or addr in addresses:
+                del self.retiring[addr]
+                if addr in addresses:
+                    self.workers[addr] = w  # came back (a missed heartbeat, not a scale-down)
+                else:
+                    await w.close()
         for addr in addresses:
             if addr not in self.workers:
                 self.workers[addr] = WorkerHandle(addr, self.affinity_capacity)
@@ -187,5 +197,5 @@ class WorkerPool:
             await asyncio.sleep(0.2)
 
     async def close(self) -> None:
-        for w in self.workers.values():
+        for w in [*self.workers.values(), *self.retiring.values()]:
             await w.close()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc, worker_pb2
+from kvmesh.compress.proto import compress_request
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.hashing import block_hashes
 from kvmesh.engine.sampling_params import SamplingParams
@@ -36,6 +37,8 @@ from kvmesh.router.registry import WorkerHandle, WorkerPool
 from kvmesh.serve.protocol import (
     StatusError, abort_with, params_from_proto, params_to_proto, prompt_cache_id, prompt_from_request,
 )
+from kvmesh.telemetry import tracing
+from kvmesh.telemetry.router import RequestTelemetry, ScoreRecorder, retried
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +74,16 @@ class _Stream:
     """The client-facing stream of one request: router-side detokenization, stop
     strings, and the tokens sent so far (what a retry resumes from)."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer,
+                 telemetry: RequestTelemetry):
         self.request_id = request_id
+        self.telemetry = telemetry
         self.prompt_ids = prompt_ids
         self.params = params
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
         self.tokens: list[int] = []
         self.cached_prompt_tokens: int | None = None
+        self.original_prompt_tokens = 0  # before compression; 0: not compressed
         self.finished = False
 
     def emit(self, msg: llm_pb2.GenerateResponse) -> llm_pb2.GenerateResponse:
@@ -96,7 +102,9 @@ class _Stream:
         if out.finish_reason:
             self.finished = True
             out.usage.CopyFrom(llm_pb2.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.tokens),
-                                             cached_prompt_tokens=self.cached_prompt_tokens or 0))
+                                             cached_prompt_tokens=self.cached_prompt_tokens or 0,
+                                             original_prompt_tokens=self.original_prompt_tokens))
+        self.telemetry.on_message(len(out.token_ids), out.finish_reason, self.cached_prompt_tokens)
         return out
 
     def resume_request(self) -> llm_pb2.GenerateRequest:
@@ -114,6 +122,7 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.scheduler = WorkerScheduler.from_config(config)
+        self.scores = ScoreRecorder(self.scheduler, [s.name for s in config.scorers])
         self.decisions: deque[RouteDecision] = deque(maxlen=1024)
         self._background: set[asyncio.Task] = set()
 
@@ -139,29 +148,38 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
 
     def _pick(self, req: RouteRequest, stage: str) -> WorkerHandle | None:
         req.stage = stage
-        return self.scheduler.pick(req, self.pool.handles())
+        worker = self.scheduler.pick(req, self.pool.handles())
+        if worker is not None:
+            self.scores.observe(stage, worker)
+        return worker
 
     def _failed(self, worker: WorkerHandle, req: RouteRequest, exc: grpc.aio.AioRpcError) -> None:
         logger.warning("worker %s failed request %s (%s: %s); trying another",
                        worker.address, req.request_id, exc.code().name, exc.details())
         worker.mark_unhealthy(self.config.unhealthy_cooldown_s)
         req.exclude.add(worker.address)
+        retried(req.stage)
 
     # -- RPCs -----------------------------------------------------------------
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or uuid.uuid4().hex
-        try:
-            params = params_from_proto(request.params)
-            ids = self._prompt_ids(request)
-            route = self._route_request(rid, ids)
-            stream = _Stream(rid, ids, params, self.tokenizer)
-            async for msg in self._generate(route, stream, context):
-                yield msg
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await abort_with(context, exc)
+        with RequestTelemetry(self.model_id, rid, context) as tel:
+            try:
+                params = params_from_proto(request.params)
+                request, compression = await compress_request(request, self.tokenizer)
+                ids = self._prompt_ids(request)
+                route = self._route_request(rid, ids)
+                stream = _Stream(rid, ids, params, self.tokenizer, tel)
+                if compression is not None:
+                    stream.original_prompt_tokens = compression.original_prompt_tokens
+                async for msg in self._generate(route, stream, context):
+                    yield msg
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                tracing.record_error(tel.span, exc)
+                await abort_with(context, exc)
 
     async def _generate(self, route: RouteRequest, stream: _Stream,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateResponse]:
@@ -171,6 +189,7 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
                                  prefix_blocks={w.address: w.prefix_blocks(route.block_hashes)
                                                 for w in self.pool.handles()})
         self.decisions.append(decision)
+        stream.telemetry.routed(decision)
         transfer: _Transfer | None = None
         try:
             if use_pd:
@@ -202,7 +221,8 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
             worker.in_flight += 1
             worker.remember(route.block_hashes)
             try:
-                return await worker.stub.Prefill(req, timeout=context.time_remaining())
+                return await worker.stub.Prefill(req, timeout=context.time_remaining(),
+                                                 metadata=stream.telemetry.metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE:
                     raise
@@ -226,9 +246,11 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
                     request_id=route.request_id, prompt_token_ids=route.prompt_token_ids,
                     first_token_id=stream.tokens[0], params=params_to_proto(stream.params),
                     transfer_id=t.transfer_id, source_address=t.source_address,
-                    model_fingerprint=t.model_fingerprint), timeout=context.time_remaining())
+                    model_fingerprint=t.model_fingerprint), timeout=context.time_remaining(),
+                    metadata=stream.telemetry.metadata)
             else:
-                call = worker.stub.Generate(stream.resume_request(), timeout=context.time_remaining())
+                call = worker.stub.Generate(stream.resume_request(), timeout=context.time_remaining(),
+                                            metadata=stream.telemetry.metadata)
             worker.in_flight += 1
             worker.remember(route.block_hashes)
             try:

@@ -24,6 +24,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh._proto import llm_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.compress.proto import compress_request
 from kvmesh.engine.async_engine import AsyncLLMEngine
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
@@ -32,6 +33,9 @@ from kvmesh.serve.protocol import (
     CHANNEL_OPTIONS, StatusError, abort_with, add_health_and_reflection, output_to_proto,
     params_from_proto, prompt_cache_id, prompt_from_request, run_until_signalled, set_serving,
 )
+from kvmesh.telemetry import tracing
+from kvmesh.telemetry.metrics import start_metrics_server
+from kvmesh.telemetry.workers import CLUSTER, CacheSourceTracker, loop_source
 from kvmesh.worker.kv_transfer import (
     KVTransferError, PulledKVLoader, TransferTable, blocks_per_chunk, make_chunk, make_layout, pull_kv,
 )
@@ -54,6 +58,8 @@ class WorkerServerConfig(BaseModel):
     model_id: str = Field("kvmesh", description="Model name reported in Stats / ListModels.")
     transfer_ttl_s: float = Field(30.0, gt=0, description="How long prefilled KV waits for a PullKV.")
     pull_timeout_s: float = Field(30.0, gt=0, description="Max time a decode waits for a PullKV.")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Serve this worker's Prometheus /metrics on "
+                              "this port; 0 = off (the router's /metrics covers every worker anyway).")
 
 
 class _Counters:
@@ -62,11 +68,16 @@ class _Counters:
         self.kv_sent_blocks = self.kv_sent_bytes = 0
         self.kv_received_blocks = self.kv_received_bytes = 0
         self.kv_pull_failures = self.transfers_expired = 0
+        self.cached_local = self.cached_store = self.cached_transfer = 0
 
-    def count_finished(self, out: RequestOutput) -> None:
+    def count_finished(self, out: RequestOutput, sources: tuple[int, int, int]) -> None:
         self.requests += 1
         self.prompt_tokens += len(out.prompt_token_ids)
         self.cached_prompt_tokens += out.num_cached_tokens
+        local, store, transfer = sources
+        self.cached_local += local
+        self.cached_store += store
+        self.cached_transfer += transfer
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -78,14 +89,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.transfers = TransferTable(config.transfer_ttl_s)
         self.loader = PulledKVLoader(self.engine.runner, self.engine.config.cache.block_size,
                                      inner=self.engine.scheduler.kv_loader)
-        self.engine.scheduler.kv_loader = self.loader
+        self.cache_sources = CacheSourceTracker(self.loader)
+        self.engine.scheduler.kv_loader = self.cache_sources
         self.counters = _Counters()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     # -- helpers ------------------------------------------------------------
 
     async def _stream(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                      engine_id: str) -> AsyncIterator[llm_pb2.GenerateResponse]:
+                      engine_id: str, span=None) -> AsyncIterator[llm_pb2.GenerateResponse]:
         """Run a request and stream its deltas; leaving early aborts it (frees blocks)."""
         num_logprobs = 0
         async for out in self.aengine.generate(prompt, params, request_id=engine_id):
@@ -93,8 +105,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             new = len(lps) - num_logprobs if lps is not None else 0
             num_logprobs += new
             if out.finished:
-                self.counters.count_finished(out)
+                self._finished(out, span)
             yield output_to_proto(out, request_id, new)
+
+    def _finished(self, out: RequestOutput, span) -> None:
+        self.counters.count_finished(out, self.cache_sources.split(out.request_id, out.num_cached_tokens))
+        tracing.set_request_output(span, out)
+
+    def _span_attrs(self, request_id: str) -> dict[str, str]:
+        return {"kvmesh.request_id": request_id, "kvmesh.worker": self.address, "kvmesh.role": self.config.role}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -121,51 +140,56 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or uuid.uuid4().hex
-        try:
-            params = params_from_proto(request.params)
-            prompt = prompt_from_request(request)
-            async for msg in self._stream(prompt, params, rid, f"{rid}-{uuid.uuid4().hex[:8]}"):
-                yield msg
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await abort_with(context, exc)
+        with tracing.server_span("kvmesh.worker.generate", context, self._span_attrs(rid)) as span:
+            try:
+                params = params_from_proto(request.params)
+                request, compression = await compress_request(request, self.engine.tokenizer)
+                prompt = prompt_from_request(request)
+                async for msg in self._stream(prompt, params, rid, f"{rid}-{uuid.uuid4().hex[:8]}", span):
+                    if compression is not None and msg.HasField("usage"):
+                        msg.usage.original_prompt_tokens = compression.original_prompt_tokens
+                    yield msg
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await abort_with(context, exc)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or uuid.uuid4().hex
         engine_id = f"{rid}-{uuid.uuid4().hex[:8]}"
-        try:
-            params = params_from_proto(request.params)
-            prompt = list(request.prompt_token_ids)
-            # Hold the KV only if a decode will follow: more tokens wanted and room left.
-            hold = params.max_tokens > 1 and len(prompt) + 1 < self.engine.max_model_len
-            first_params = dataclasses.replace(params, max_tokens=1)
-            final, num_lp = None, 0
-            async for out in self.aengine.generate(prompt, first_params, request_id=engine_id, hold_kv=hold):
-                if out.finished:
-                    final = out
-                    if out.held_block_ids is not None:  # register before any await: never leak
-                        self.transfers.add(engine_id, out.held_block_ids, len(prompt))
-                    lps = out.outputs[0].logprobs
-                    num_lp = len(lps) if lps is not None else 0
-            self.counters.count_finished(final)
-            first = output_to_proto(final, rid, num_lp)
-            resp = worker_pb2.PrefillResponse(first=first, source_address=self.address,
-                                              model_fingerprint=self.engine.fingerprint)
-            held = self.transfers.get(engine_id)
-            if held is not None and final.outputs[0].finish_reason == "length":
-                # Stopped only by our max_tokens=1: the request goes on at a decode worker.
-                resp.first.finish_reason = ""
-                resp.transfer_id = engine_id
-                resp.num_blocks = len(held.block_ids)
-                resp.num_prompt_tokens = held.num_tokens
-            elif held is not None:  # finished for real (EOS, stop token / string)
-                await self._release(engine_id)
-            return resp
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await abort_with(context, exc)
+        with tracing.server_span("kvmesh.worker.prefill", context, self._span_attrs(rid)) as span:
+            try:
+                params = params_from_proto(request.params)
+                prompt = list(request.prompt_token_ids)
+                # Hold the KV only if a decode will follow: more tokens wanted and room left.
+                hold = params.max_tokens > 1 and len(prompt) + 1 < self.engine.max_model_len
+                first_params = dataclasses.replace(params, max_tokens=1)
+                final, num_lp = None, 0
+                async for out in self.aengine.generate(prompt, first_params, request_id=engine_id, hold_kv=hold):
+                    if out.finished:
+                        final = out
+                        if out.held_block_ids is not None:  # register before any await: never leak
+                            self.transfers.add(engine_id, out.held_block_ids, len(prompt))
+                        lps = out.outputs[0].logprobs
+                        num_lp = len(lps) if lps is not None else 0
+                self._finished(final, span)
+                first = output_to_proto(final, rid, num_lp)
+                resp = worker_pb2.PrefillResponse(first=first, source_address=self.address,
+                                                  model_fingerprint=self.engine.fingerprint)
+                held = self.transfers.get(engine_id)
+                if held is not None and final.outputs[0].finish_reason == "length":
+                    # Stopped only by our max_tokens=1: the request goes on at a decode worker.
+                    resp.first.finish_reason = ""
+                    resp.transfer_id = engine_id
+                    resp.num_blocks = len(held.block_ids)
+                    resp.num_prompt_tokens = held.num_tokens
+                elif held is not None:  # finished for real (EOS, stop token / string)
+                    await self._release(engine_id)
+                return resp
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await abort_with(context, exc)
 
     async def PullKV(self, request: worker_pb2.PullKVRequest, context: grpc.aio.ServicerContext):
         held = self.transfers.get(request.transfer_id)
@@ -203,27 +227,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or uuid.uuid4().hex
         engine_id = f"{rid}-{uuid.uuid4().hex[:8]}"
-        try:
-            params = params_from_proto(request.params)
-            if params.max_tokens < 2:
-                raise InvalidRequestError("max_tokens", "Decode needs max_tokens >= 2 (prefill produced the "
-                                                        "first token); finish max_tokens=1 requests at prefill")
-            prompt = list(request.prompt_token_ids) + [request.first_token_id]
-            self.engine.validate_prompt_ids(prompt)
-            if request.transfer_id and request.source_address:
-                await self._pull(request, engine_id, context)
-            rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1)
-            async for msg in self._stream(prompt, rest, rid, engine_id):
-                yield msg
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await abort_with(context, exc)
-        finally:
-            self.loader.discard(engine_id)
+        with tracing.server_span("kvmesh.worker.decode", context, self._span_attrs(rid)) as span:
+            try:
+                params = params_from_proto(request.params)
+                if params.max_tokens < 2:
+                    raise InvalidRequestError("max_tokens", "Decode needs max_tokens >= 2 (prefill produced the "
+                                                            "first token); finish max_tokens=1 requests at prefill")
+                prompt = list(request.prompt_token_ids) + [request.first_token_id]
+                self.engine.validate_prompt_ids(prompt)
+                if request.transfer_id and request.source_address:
+                    await self._pull(request, engine_id, context, span)
+                rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1)
+                async for msg in self._stream(prompt, rest, rid, engine_id, span):
+                    yield msg
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await abort_with(context, exc)
+            finally:
+                self.loader.discard(engine_id)
 
     async def _pull(self, request: worker_pb2.DecodeRequest, engine_id: str,
-                    context: grpc.aio.ServicerContext) -> None:
+                    context: grpc.aio.ServicerContext, span=None) -> None:
         """Pull the prompt's KV and stage it for admission; on failure the prompt is
         recomputed here (slower, same output), so a pull error never fails the request."""
         if request.model_fingerprint and request.model_fingerprint != self.engine.fingerprint:
@@ -231,15 +256,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                               "model fingerprint mismatch between prefill and decode workers")
         remaining = context.time_remaining()
         timeout = min(self.config.pull_timeout_s, remaining) if remaining is not None else self.config.pull_timeout_s
-        try:
-            pulled = await pull_kv(self._channel(request.source_address), self.engine.runner,
-                                   request.transfer_id, self.engine.fingerprint, timeout)
-        except (grpc.aio.AioRpcError, KVTransferError) as exc:
-            self.counters.kv_pull_failures += 1
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            logger.warning("PullKV of %s from %s failed (%s); recomputing the prompt",
-                           request.transfer_id, request.source_address, detail)
-            return
+        attrs = {"kvmesh.transfer_id": request.transfer_id, "kvmesh.source": request.source_address}
+        with tracing.client_span("kvmesh.kv_transfer.pull", span, attrs) as pull_span:
+            try:
+                pulled = await pull_kv(self._channel(request.source_address), self.engine.runner,
+                                       request.transfer_id, self.engine.fingerprint, timeout)
+            except (grpc.aio.AioRpcError, KVTransferError) as exc:
+                self.counters.kv_pull_failures += 1
+                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                logger.warning("PullKV of %s from %s failed (%s); recomputing the prompt",
+                               request.transfer_id, request.source_address, detail)
+                tracing.record_error(pull_span, exc)
+                return
+            tracing.set_attributes(pull_span, {"kvmesh.kv_bytes": pulled.num_bytes,
+                                               "kvmesh.kv_blocks": pulled.num_blocks})
         self.counters.kv_received_blocks += pulled.num_blocks
         self.counters.kv_received_bytes += pulled.num_bytes
         self.loader.stage(engine_id, pulled)
@@ -270,12 +300,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return llm_pb2.UncachePromptResponse()
 
     async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext):
+        return await self.aengine.run_between_steps(lambda: self.stats_now(request.max_block_hashes))
+
+    def stats_now(self, max_block_hashes: int = 0) -> worker_pb2.StatsResponse:
+        """This worker's Stats; reads the engine, so only between steps (run_between_steps)."""
         eng = self.engine
-
-        def snapshot():
-            return eng.stats(), eng.kv_manager.pool.cached_block_hashes(request.max_block_hashes)
-
-        stats, hashes = await self.aengine.run_between_steps(snapshot)
+        stats, hashes = eng.stats(), eng.kv_manager.pool.cached_block_hashes(max_block_hashes)
         c = self.counters
         return worker_pb2.StatsResponse(
             role=self.config.role, address=self.address, model_id=self.config.model_id,
@@ -289,6 +319,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_received_blocks=c.kv_received_blocks, kv_received_bytes=c.kv_received_bytes,
             kv_loaded_tokens=self.loader.loaded_tokens, kv_pull_failures=c.kv_pull_failures,
             transfers_expired=c.transfers_expired, cached_block_hashes=hashes,
+            num_preemptions=int(stats["num_preemptions"]), cached_prompt_tokens_local=c.cached_local,
+            cached_prompt_tokens_store=c.cached_store, cached_prompt_tokens_transfer=c.cached_transfer,
+            kv_store_bytes_read=int(stats.get("kvstore_bytes_read", 0)),
+            kv_store_bytes_written=int(stats.get("kvstore_bytes_written", 0)),
         )
 
 
@@ -307,16 +341,25 @@ class WorkerServer:
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self._sweeper: asyncio.Task | None = None
+        self.metrics_server = None  # prometheus HTTP server when config.metrics_port is set
 
     async def start(self) -> None:
         await self.server.start()
         self._sweeper = asyncio.create_task(self.servicer.expire_transfers_forever())
+        self.metrics_server = start_metrics_server(self.config.metrics_port, self.config.host)
+        if self.metrics_server is not None:
+            stats = lambda: self.aengine.run_between_steps(self.servicer.stats_now)  # noqa: E731
+            CLUSTER.add(self, loop_source(stats, asyncio.get_running_loop()))
         await set_serving(self.health, [SERVICE_NAME], True)
 
     async def stop(self, grace: float = 2.0) -> None:
         await set_serving(self.health, [SERVICE_NAME], False)
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self.metrics_server is not None:
+            CLUSTER.remove(self)
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
         await self.server.stop(grace)
         for ch in self.servicer._channels.values():
             await ch.close()
@@ -332,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
     p.add_argument("--model-id", default="kvmesh")
     p.add_argument("--transfer-ttl", type=float, default=30.0, help="seconds prefilled KV waits for a pull")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
+    p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans here (OTLP/gRPC; default off)")
     _add_engine_args(p)
     return p
 
@@ -342,7 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = WorkerServerConfig(role=args.role, host=args.host, port=args.port, model_id=args.model_id,
-                                transfer_ttl_s=args.transfer_ttl)
+                                transfer_ttl_s=args.transfer_ttl, metrics_port=args.metrics_port)
+    if args.otlp_endpoint:
+        from kvmesh.serve.config import TracingConfig
+        from kvmesh.telemetry.tracing import configure_tracing
+
+        configure_tracing(TracingConfig(otlp_endpoint=args.otlp_endpoint, service_name=f"kvmesh-{args.role}"))
     aengine = AsyncLLMEngine.from_config(_engine_config(args), progress=False)
 
     async def run() -> None:

@@ -3,96 +3,196 @@
  * Why a kernel of our own: PyTorch 2.13's CPU ops for this (`_weight_int8pack_mm`,
  * `_weight_int4pack_mm_for_cpu`) measured 3-10x SLOWER than the float32 matmul at
  * batch 1 on an AVX2-only EPYC (see benchmarks/README.md), and a dequantize-then-
- * matmul reads more bytes than float32 does. Decode is memory-bound: these loops read
- * each weight byte once, convert in registers and FMA against the few input rows.
+ * matmul reads more bytes than float32 does. Decode is memory-bound once the inner loop
+ * is cheap: these loops read each weight byte once, convert it in registers and FMA it
+ * against up to 4 input rows at a time (a tile shares each converted weight vector).
+ * Activations stay float32: results equal dequantize-then-matmul up to summation order.
  *
- * Threads: OpenMP over output rows. The library links libgomp.so.1, which resolves to
- * the copy torch already loaded, so it shares torch's thread pool and thread count.
+ * Threads: OpenMP over output rows (each thread streams one contiguous block of rows).
+ * The library links libgomp.so.1, which resolves to the copy torch already loaded, so
+ * it shares torch's thread pool and thread count.
  *
  * Layouts (row-major over the output dim N, as in kvmesh/quant/primitives.py):
- *   int8: w (N, K) int8, s (N,) float32:            y = x @ (w * s)^T
- *   int4: w (N, K/2) uint8, column 2j in the low nibble, 2j+1 in the high one;
- *         s, z (N, K/G) float16 bits:               w[n, k] = (q - z[n, g]) * s[n, g]
- *         xe / xo: the even / odd columns of x, (M, K/2); xs: per-group sums of x, (M, K/G).
- *   Because sum_k x_k (q_k - z) s = s * (sum_k x_k q_k - z * sum_k x_k), the inner loop
- *   only converts nibbles and FMAs; the zero point costs one scalar term per group.
+ *   int8: w (N, K) int8, s (N, K/G) float32 (G == K: per channel):  w[n,k] = q * s[n, k/G]
+ *   int4: w (N, K/2) uint8, column 2j in the low nibble of byte j, 2j+1 in the high one;
+ *         s, o (N, K/G) float16 bits, and per group g, with q in [0, 15]:
+ *           mode 0 (zero points: kvmesh int4, GPTQ, AWQ, GGUF Q4_0): w = (q - o) * s
+ *           mode 1 (mins: GGUF Q4_1):                                w = q * s + o
+ *   Both are w = q * s + b (b = -o * s, or o), so
+ *     sum_k x_k w_k = sum_k x_k (q_k s_g) + sum_g b_g * (sum of x over group g):
+ *   the inner loop only converts nibbles, scales them (q * s is exact in float32) and
+ *   FMAs; the offsets cost one vectorized dot product per output row.
+ *   The even / odd columns of x (and its group sums) are split once per call into a
+ *   scratch buffer, so the nibbles of 16 bytes meet 16 contiguous floats each.
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
-static inline float hsum(__m256 v) {
+#define MT_MAX 4
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 load_i8(const int8_t* p) {
+INLINE __m256 load_i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-/* K % 16 == 0. */
-void kvm_int8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* s,
+INLINE __m256 u8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+/* ---------------------------------------------------------------- int8 */
+
+/* Output row n for MT input rows: y[r] = sum_g s[g] * (x_r . q_g). */
+INLINE void int8_tile(const int MT, const float* x, int64_t K, const int8_t* wr, const float* sr,
+                      int64_t G, float* out) {
+    __m256 tot[MT_MAX];
+    for (int r = 0; r < MT; r++) tot[r] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+        __m256 a0[MT_MAX], a1[MT_MAX];  /* two accumulators per row hide the FMA latency */
+        for (int r = 0; r < MT; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        for (int64_t k = g0; k < g0 + G; k += 16) {
+            const __m256 w0 = load_i8(wr + k), w1 = load_i8(wr + k + 8);
+            for (int r = 0; r < MT; r++) {
+                a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), a0[r]);
+                a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), a1[r]);
+            }
+        }
+        const __m256 vs = _mm256_broadcast_ss(sr + g0 / G);
+        for (int r = 0; r < MT; r++) tot[r] = _mm256_fmadd_ps(vs, _mm256_add_ps(a0[r], a1[r]), tot[r]);
+    }
+    for (int r = 0; r < MT; r++) out[r] = hsum(tot[r]);
+}
+
+/* K % 16 == 0, G % 16 == 0, K % G == 0. */
+void kvm_int8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* s, int64_t G,
                    int64_t N, float* y) {
+    const int64_t ng = K / G;
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t* wr = w + n * K;
+        const float* sr = s + n * ng;
+        float out[MT_MAX];
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4) {  /* 4 input rows share each converted weight vector */
-            const float *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t k = 0; k < K; k += 8) {
-                __m256 wv = load_i8(wr + k);
-                a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + k), a0);
-                a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x1 + k), a1);
-                a2 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x2 + k), a2);
-                a3 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x3 + k), a3);
-            }
-            y[(m + 0) * N + n] = hsum(a0) * s[n];
-            y[(m + 1) * N + n] = hsum(a1) * s[n];
-            y[(m + 2) * N + n] = hsum(a2) * s[n];
-            y[(m + 3) * N + n] = hsum(a3) * s[n];
+        for (; m + 4 <= M; m += 4) {
+            int8_tile(4, x + m * K, K, wr, sr, G, out);
+            for (int r = 0; r < 4; r++) y[(m + r) * N + n] = out[r];
         }
-        for (; m < M; m++) {  /* two accumulators hide the FMA latency */
-            const float* xr = x + m * K;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-            for (int64_t k = 0; k < K; k += 16) {
-                a0 = _mm256_fmadd_ps(load_i8(wr + k), _mm256_loadu_ps(xr + k), a0);
-                a1 = _mm256_fmadd_ps(load_i8(wr + k + 8), _mm256_loadu_ps(xr + k + 8), a1);
-            }
-            y[m * N + n] = hsum(_mm256_add_ps(a0, a1)) * s[n];
-        }
+        const int64_t rest = M - m;
+        if (rest == 0) continue;
+        if (rest == 1) int8_tile(1, x + m * K, K, wr, sr, G, out);
+        else if (rest == 2) int8_tile(2, x + m * K, K, wr, sr, G, out);
+        else int8_tile(3, x + m * K, K, wr, sr, G, out);
+        for (int r = 0; r < rest; r++) y[(m + r) * N + n] = out[r];
     }
 }
 
-/* G % 16 == 0, K % G == 0. */
-void kvm_int4_gemm(const float* xe, const float* xo, const float* xs, int64_t M, int64_t K,
-                   const uint8_t* w, const uint16_t* s, const uint16_t* z, int64_t N, int64_t G,
-                   float* y) {
-    const int64_t ng = K / G, hg = G / 2, K2 = K / 2;
+/* ---------------------------------------------------------------- int4 */
+
+/* Output row n for MT input rows: sum_k x_k (q_k s_g), x split into even (xe) / odd (xo)
+ * columns, (M, K/2) each. NA accumulators per row keep the FMA chains short at small MT. */
+INLINE void int4_tile(const int MT, const float* xe, const float* xo, int64_t K2, const uint8_t* wr,
+                      const float* sf, int64_t ng, int64_t hg, float* out) {
+    const int NA = MT == 1 ? 4 : (MT == 2 ? 4 : 2);
     const __m128i mask = _mm_set1_epi8(0x0F);
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t* wr = w + n * K2;
-        const uint16_t *sr = s + n * ng, *zr = z + n * ng;
-        for (int64_t m = 0; m < M; m++) {
-            const float *xem = xe + m * K2, *xom = xo + m * K2, *xsm = xs + m * ng;
-            __m256 tot = _mm256_setzero_ps();
-            float corr = 0.0f;
-            for (int64_t g = 0; g < ng; g++) {
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-                for (int64_t j = g * hg; j < (g + 1) * hg; j += 8) {
-                    __m128i b = _mm_loadl_epi64((const __m128i*)(wr + j));
-                    __m128i lo = _mm_and_si128(b, mask);
-                    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-                    a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(xem + j), a0);
-                    a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(xom + j), a1);
-                }
-                float sg = _cvtsh_ss(sr[g]);
-                tot = _mm256_fmadd_ps(_mm256_set1_ps(sg), _mm256_add_ps(a0, a1), tot);
-                corr += sg * _cvtsh_ss(zr[g]) * xsm[g];
+    __m256 acc[MT_MAX][4];
+    for (int r = 0; r < MT; r++)
+        for (int a = 0; a < NA; a++) acc[r][a] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const __m256 vs = _mm256_broadcast_ss(sf + g);
+        for (int64_t j = g * hg; j < (g + 1) * hg; j += 16) {
+            const __m128i b = _mm_loadu_si128((const __m128i*)(wr + j));
+            const __m128i lo = _mm_and_si128(b, mask);
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+            const __m256 w0 = _mm256_mul_ps(vs, u8_to_ps(lo));                     /* xe[j .. j+7]   */
+            const __m256 w1 = _mm256_mul_ps(vs, u8_to_ps(_mm_srli_si128(lo, 8)));  /* xe[j+8 .. j+15] */
+            const __m256 w2 = _mm256_mul_ps(vs, u8_to_ps(hi));                     /* xo[j .. j+7]   */
+            const __m256 w3 = _mm256_mul_ps(vs, u8_to_ps(_mm_srli_si128(hi, 8)));  /* xo[j+8 .. j+15] */
+            for (int r = 0; r < MT; r++) {
+                const float *e = xe + r * K2 + j, *o = xo + r * K2 + j;
+                acc[r][0 % NA] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(e), acc[r][0 % NA]);
+                acc[r][1 % NA] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(e + 8), acc[r][1 % NA]);
+                acc[r][2 % NA] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(o), acc[r][2 % NA]);
+                acc[r][3 % NA] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(o + 8), acc[r][3 % NA]);
             }
-            y[m * N + n] = hsum(tot) - corr;
         }
     }
+    for (int r = 0; r < MT; r++) {
+        __m256 t = acc[r][0];
+        for (int a = 1; a < NA; a++) t = _mm256_add_ps(t, acc[r][a]);
+        out[r] = hsum(t);
+    }
+}
+
+/* float scales sf and offsets bf (b = -o * s, or o) of one output row. */
+static void int4_row_params(const uint16_t* sr, const uint16_t* orow, int32_t mode, int64_t ng, float* sf,
+                            float* bf) {
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) {
+        const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sr + g)));
+        const __m256 o8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(orow + g)));
+        _mm256_storeu_ps(sf + g, s8);
+        _mm256_storeu_ps(bf + g, mode ? o8 : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(o8, s8)));
+    }
+    for (; g < ng; g++) {
+        sf[g] = _cvtsh_ss(sr[g]);
+        bf[g] = mode ? _cvtsh_ss(orow[g]) : -_cvtsh_ss(orow[g]) * sf[g];
+    }
+}
+
+INLINE float dot(const float* a, const float* b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float t = hsum(acc);
+    for (; i < n; i++) t += a[i] * b[i];
+    return t;
+}
+
+/* G % 32 == 0, K % G == 0. Returns 0, or -1 when the scratch buffer cannot be allocated. */
+int kvm_int4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const uint16_t* s,
+                  const uint16_t* o, int32_t mode, int64_t G, int64_t N, float* y) {
+    const int64_t ng = K / G, hg = G / 2, K2 = K / 2;
+    float* scratch = (float*)malloc(sizeof(float) * (size_t)(M * K + M * ng));
+    if (scratch == NULL) return -1;
+    float *xe = scratch, *xo = scratch + M * K2, *xs = scratch + M * K;
+    for (int64_t m = 0; m < M; m++) {
+        const float* xr = x + m * K;
+        for (int64_t j = 0; j < K2; j++) {
+            xe[m * K2 + j] = xr[2 * j];
+            xo[m * K2 + j] = xr[2 * j + 1];
+        }
+        for (int64_t g = 0; g < ng; g++) {
+            float t = 0.0f;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) t += xr[k];
+            xs[m * ng + g] = t;
+        }
+    }
+    #pragma omp parallel
+    {
+        float sf[ng], bf[ng];  /* this row's float scales and offsets */
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t* wr = w + n * K2;
+            int4_row_params(s + n * ng, o + n * ng, mode, ng, sf, bf);
+            float out[MT_MAX];
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4) {
+                int4_tile(4, xe + m * K2, xo + m * K2, K2, wr, sf, ng, hg, out);
+                for (int r = 0; r < 4; r++) y[(m + r) * N + n] = out[r] + dot(bf, xs + (m + r) * ng, ng);
+            }
+            const int64_t rest = M - m;
+            if (rest == 0) continue;
+            if (rest == 1) int4_tile(1, xe + m * K2, xo + m * K2, K2, wr, sf, ng, hg, out);
+            else if (rest == 2) int4_tile(2, xe + m * K2, xo + m * K2, K2, wr, sf, ng, hg, out);
+            else int4_tile(3, xe + m * K2, xo + m * K2, K2, wr, sf, ng, hg, out);
+            for (int r = 0; r < rest; r++) y[(m + r) * N + n] = out[r] + dot(bf, xs + (m + r) * ng, ng);
+        }
+    }
+    free(scratch);
+    return 0;
 }

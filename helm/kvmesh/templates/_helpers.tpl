@@ -1,0 +1,54 @@
+{{- define "kvmesh.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvmesh.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvmesh.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "kvmesh.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "kvmesh.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvmesh.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "kvmesh.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvmesh.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The least-privilege rules: exactly the verbs the operator (and kopf) use. */}}
+{{- define "kvmesh.rules" -}}
+- apiGroups: [kvmesh.dev]
+  resources: [llmservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [kvmesh.dev]
+  resources: [llmservices/status]
+  verbs: [get, patch]
+- apiGroups: [ray.io]
+  resources: [rayservices]
+  verbs: [get, create, patch, delete]
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [get, create, patch, delete]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch, delete]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}

@@ -1,0 +1,177 @@
+"""Thin, idempotent kopf handlers: parse -> render -> apply, and a status timer.
+
+Every decision lives in `spec` (validation), `render` (manifests) and `status`
+(conditions); every API call in `k8s`. Retry policy by cause: an invalid spec is
+permanent (fixed by editing the spec, which triggers `update`); API trouble is temporary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from kvmesh_operator import GROUP, PLURAL, VERSION, k8s, metrics, render
+from kvmesh_operator import status as st
+from kvmesh_operator.spec import SpecError, check_name, parse_spec
+
+RESOURCE = (GROUP, VERSION, PLURAL)
+STATUS_INTERVAL_S = float(os.environ.get("KVMESH_STATUS_INTERVAL_S", "15"))
+"""How often the status timer reads the RayService (read once, at import)."""
+
+
+def defaults_from_env() -> render.Defaults:
+    d = render.Defaults()
+    return render.Defaults(image=os.environ.get("KVMESH_IMAGE", d.image),
+                           redis_image=os.environ.get("KVMESH_REDIS_IMAGE", d.redis_image),
+                           ray_version=os.environ.get("KVMESH_RAY_VERSION", d.ray_version))
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _api(memo: Any) -> k8s.Api:
+    return memo.setdefault("k8s", k8s.Api())
+
+
+def _target(name: str, namespace: str, spec: Any, memo: Any) -> render.Target:
+    check_name(name)
+    parsed = parse_spec(dict(spec) if spec is not None else None)
+    t = render.Target(name=name, namespace=namespace, spec=parsed,
+                      defaults=memo.setdefault("defaults", defaults_from_env()))
+    t.serving_config()  # raises SpecError when kvmesh's own config rejects the combination
+    return t
+
+
+def _failure(e: k8s.ApiError) -> tuple[str, bool, float]:
+    """(condition reason, permanent?, retry delay) for an API error."""
+    if e.status == 404 and e.reason == "ResourceNotServed":
+        return "KubeRayMissing", False, 60.0
+    if e.status in (400, 404, 422):
+        return "ApplyRejected", True, 0.0
+    return "ApplyFailed", False, 30.0 if e.status in (401, 403) else 10.0
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.posting.level = logging.WARNING  # Events for problems only, not every success
+    # Watch exactly the namespaces given (or all): no namespace / CRD scanning, so no RBAC for them.
+    settings.scanning.disabled = True
+    memo.setdefault("defaults", defaults_from_env())
+    _api(memo)
+
+
+@kopf.on.login()
+def login(memo: Any, **kwargs: Any) -> kopf.ConnectionInfo:
+    """kopf's own in-cluster / kubeconfig login, shared with our API client."""
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is None:
+        raise kopf.LoginError("no service account token and no kubeconfig: cannot reach the cluster")
+    _api(memo).use(info)
+    return info
+
+
+@kopf.on.cleanup()
+async def close(memo: Any, **_: Any) -> None:
+    await _api(memo).close()
+
+
+async def _delete_owned(api: k8s.Api, api_version: str, plural: str, namespace: str, name: str,
+                        uid: str) -> None:
+    """Delete an object only if this LLMService (uid) owns it: never a user's look-alike."""
+    obj = await api.get(api_version, plural, namespace, name)
+    refs = (obj or {}).get("metadata", {}).get("ownerReferences") or []
+    if any(r.get("uid") == uid for r in refs):
+        await api.delete(api_version, plural, namespace, name)
+
+
+def _children(name: str) -> list[tuple[str, str, str]]:
+    names = render.child_names(name)
+    return [("ray.io/v1", "rayservices", names["rayservice"]), ("v1", "services", names["grpc"]),
+            ("v1", "services", names["http"]), ("v1", "services", names["redis"]),
+            ("apps/v1", "deployments", names["redis"]), ("v1", "configmaps", names["configmap"])]
+
+
+async def _prune(api: k8s.Api, t: render.Target, uid: str) -> None:
+    """Delete a managed Redis the spec no longer asks for."""
+    if render.redis(t):
+        return
+    name = render.child_names(t.name)["redis"]
+    for api_version, plural in (("apps/v1", "deployments"), ("v1", "services")):
+        await _delete_owned(api, api_version, plural, t.namespace, name, uid)
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE)
+async def reconcile(body: kopf.Body, name: str, namespace: str, spec: kopf.Spec, meta: kopf.Meta,
+                    status: kopf.Status, patch: kopf.Patch, memo: Any, **_: Any) -> None:
+    generation = meta.get("generation")
+    old = dict(status)
+    try:
+        t = _target(name, namespace, spec, memo)
+    except SpecError as e:
+        metrics.RECONCILES.labels("invalid").inc()
+        patch.status.update(st.reconcile_failed("InvalidSpec", str(e), generation, old, _now()))
+        kopf.warn(body, reason="InvalidSpec", message=str(e))
+        raise kopf.PermanentError(f"invalid spec: {e}") from None
+    objects = render.render_all(t)
+    kopf.adopt(objects, owner=body)
+    api = _api(memo)
+    try:
+        for obj in objects:
+            await api.apply(obj)
+        await _prune(api, t, meta["uid"])
+    except k8s.ApiError as e:
+        reason, permanent, delay = _failure(e)
+        metrics.RECONCILES.labels("error").inc()
+        patch.status.update(st.reconcile_failed(reason, str(e), generation, old, _now()))
+        if permanent:
+            kopf.warn(body, reason=reason, message=str(e))
+            raise kopf.PermanentError(str(e)) from None
+        raise kopf.TemporaryError(str(e), delay=delay) from None
+    metrics.RECONCILES.labels("applied").inc()
+    patch.status.update(st.applied(t, generation, old, _now()))
+
+
+@kopf.timer(*RESOURCE, interval=STATUS_INTERVAL_S)
+async def refresh_status(name: str, namespace: str, spec: kopf.Spec, status: kopf.Status, patch: kopf.Patch,
+                         memo: Any, **_: Any) -> None:
+    """Serving health from the RayService KubeRay maintains; writes only on change."""
+    old = dict(status)
+    if st.is_reconcile_failure(old):
+        return
+    try:
+        t = _target(name, namespace, spec, memo)
+    except SpecError:
+        return  # reconcile reports it
+    try:
+        rayservice = await _api(memo).get("ray.io/v1", "rayservices", namespace, render.child_names(name)["rayservice"])
+    except k8s.ApiError as e:
+        raise kopf.TemporaryError(f"reading the RayService: {e}", delay=STATUS_INTERVAL_S) from None
+    new = st.from_rayservice(t, rayservice, old, _now())
+    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in new["conditions"])
+    metrics.READY.labels(namespace, name).set(1 if ready else 0)
+    if st.changed(old, new):
+        patch.status.update(new)
+
+
+@kopf.on.delete(*RESOURCE)
+async def delete(name: str, namespace: str, meta: kopf.Meta, memo: Any, **_: Any) -> None:
+    """Delete the children now; owner references make Kubernetes do it too, this makes it prompt."""
+    api = _api(memo)
+    try:
+        for api_version, plural, child in _children(name):
+            await _delete_owned(api, api_version, plural, namespace, child, meta["uid"])
+    except k8s.ApiError as e:
+        raise kopf.TemporaryError(f"deleting children: {e}", delay=10) from None
+    with contextlib.suppress(KeyError):
+        metrics.READY.remove(namespace, name)

@@ -1,0 +1,8 @@
+"""Prometheus metrics of the operator (served by `kvmesh-operator --metrics-port`)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+RECONCILES = Counter("kvmesh_operator_reconciles", "LLMService reconciles by result.", ["result"])
+READY = Gauge("kvmesh_operator_llmservice_ready", "1 while an LLMService is Ready.", ["namespace", "name"])

@@ -1,0 +1,256 @@
+"""Pure rendering: an `LLMService` spec -> the Kubernetes objects that serve it.
+
+No I/O and no kopf here: every function maps typed input to plain manifests (dicts), so
+the output is tested by schema validation alone. Owner references are added by the
+handlers (`kopf.adopt`). Objects, all named after the LLMService `<name>`:
+
+    RayService  <name>          head group + one worker group per role (router, [prefill], decode);
+                                serveConfigV2 runs kvmesh.serve.app:build with the ServingConfig
+    ConfigMap   <name>-config   the ServingConfig as YAML (what the app runs; for people and tools)
+    Service     <name>-grpc     :50051 -> router pods (kvmesh.v1.LLM gRPC)
+    Service     <name>-http     :8000  -> router pods (Ray Serve's HTTP proxy, OpenAI API)
+    Deployment  <name>-redis    only with spec.cache.redis.managed
+    Service     <name>-redis    only with spec.cache.redis.managed
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from kvmesh.serve.config import ServingConfig
+from kvmesh_operator import GROUP
+from kvmesh_operator.spec import (MODEL_MOUNT, REDIS_PORT, LLMServiceSpec, ResourcesSpec, WorkloadSpec,
+                                  parse_quantity, pvc_claims, ray_cpus, ray_resource, redis_service_name,
+                                  to_serving_config)
+
+APP_IMPORT_PATH = "kvmesh.serve.app:build"
+GRPC_PORT = 50051
+HTTP_PORT = 8000
+LABEL_SERVICE = f"{GROUP}/llmservice"
+LABEL_ROLE = f"{GROUP}/role"
+# KubeRay labels every Ray pod with its worker group's name. `ray.io/cluster` is not used
+# in selectors: a RayService names its RayCluster `<name>-raycluster-<random>` and replaces
+# it on upgrades, so the group label plus our own service label select the role's pods.
+RAY_GROUP_LABEL = "ray.io/group"
+API_KEY_ENV = "KVMESH_API_KEY"
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Operator-wide settings (Helm values -> operator env), used where the spec is silent."""
+
+    image: str = "ghcr.io/kvmesh/kvmesh:0.1.0"
+    redis_image: str = "redis:7.4-alpine"
+    ray_version: str = "2.60.0"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One validated LLMService: what every render function takes."""
+
+    name: str
+    namespace: str
+    spec: LLMServiceSpec
+    defaults: Defaults = Defaults()
+
+    @property
+    def image(self) -> str:
+        return self.spec.image or self.defaults.image
+
+    def serving_config(self) -> ServingConfig:
+        return to_serving_config(self.spec, name=self.name, namespace=self.namespace)
+
+
+def labels(t: Target, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "kvmesh", "app.kubernetes.io/instance": t.name,
+            "app.kubernetes.io/component": component, "app.kubernetes.io/managed-by": "kvmesh-operator",
+            LABEL_SERVICE: t.name}
+
+
+def _meta(t: Target, name: str, component: str) -> dict[str, Any]:
+    return {"name": name, "namespace": t.namespace, "labels": labels(t, component)}
+
+
+def child_names(name: str) -> dict[str, str]:
+    """Every object the operator may own for LLMService `name`, by kind key (see k8s.KINDS)."""
+    return {"rayservice": name, "configmap": f"{name}-config", "grpc": f"{name}-grpc",
+            "http": f"{name}-http", "redis": redis_service_name(name)}
+
+
+def endpoints(t: Target) -> dict[str, str]:
+    """In-cluster addresses clients use once the service is Ready."""
+    names = child_names(t.name)
+    return {"grpc": f"{names['grpc']}.{t.namespace}.svc:{GRPC_PORT}",
+            "http": f"http://{names['http']}.{t.namespace}.svc:{HTTP_PORT}"}
+
+
+# --- pods -----------------------------------------------------------------------------------
+
+def _container_resources(r: ResourcesSpec) -> dict[str, Any]:
+    amounts: dict[str, Any] = {"cpu": str(r.cpu), "memory": str(r.memory)}
+    if r.gpu:
+        amounts["nvidia.com/gpu"] = str(r.gpu)
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _api_key_env(t: Target) -> list[dict[str, Any]]:
+    ref = t.spec.auth.api_key_secret_ref
+    if ref is None:
+        return []
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def _model_volumes(t: Target) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) for the pvc:// model URIs, read-only at MODEL_MOUNT/<claim>."""
+    claims = pvc_claims(t.spec)
+    volumes = [{"name": f"model-{i}", "persistentVolumeClaim": {"claimName": c, "readOnly": True}}
+               for i, c in enumerate(claims)]
+    mounts = [{"name": f"model-{i}", "mountPath": f"{MODEL_MOUNT}/{c}", "readOnly": True}
+              for i, c in enumerate(claims)]
+    return volumes, mounts
+
+
+def pod_template(t: Target, group: str, resources: ResourcesSpec, *, workload: WorkloadSpec | None = None,
+                 ports: list[dict[str, Any]] | None = None, env: list[dict[str, Any]] | None = None
+                 ) -> dict[str, Any]:
+    """A Ray pod: KubeRay injects `ray start`; we give image, resources, placement, volumes."""
+    container: dict[str, Any] = {
+        "name": "ray-head" if group == "head" else "ray-worker", "image": t.image,
+        "resources": _container_resources(resources),
+        # Let in-flight requests drain from the node before the pod goes away.
+        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
+    }
+    if ports:
+        container["ports"] = ports
+    if env:
+        container["env"] = env
+    spec: dict[str, Any] = {"containers": [container]}
+    if group != "head" and group != "router":
+        volumes, mounts = _model_volumes(t)
+        if volumes:
+            spec["volumes"], container["volumeMounts"] = volumes, mounts
+    if workload is not None:
+        if workload.node_selector:
+            spec["nodeSelector"] = dict(workload.node_selector)
+        if workload.tolerations:
+            spec["tolerations"] = [x.model_dump(by_alias=True, exclude_none=True) for x in workload.tolerations]
+    meta = {"labels": {**labels(t, group), LABEL_ROLE: group}}
+    return {"metadata": meta, "spec": spec}
+
+
+def head_group(t: Target) -> dict[str, Any]:
+    ports = [{"name": "gcs-server", "containerPort": 6379}, {"name": "dashboard", "containerPort": 8265},
+             {"name": "client", "containerPort": 10001}, {"name": "serve", "containerPort": HTTP_PORT}]
+    return {
+        # num-cpus 0: no kvmesh replica is ever placed on the head (they ask for group resources anyway).
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
+        "template": pod_template(t, "head", t.spec.head.resources, ports=ports, env=_api_key_env(t)),
+    }
+
+
+def ray_resources_param(group: str) -> str:
+    """rayStartParams.resources: a quoted JSON map, as KubeRay passes it to `ray start --resources`."""
+    return '"' + json.dumps({ray_resource(group): 1}).replace('"', '\\"') + '"'
+
+
+def worker_group(t: Target, group: str, w: WorkloadSpec) -> dict[str, Any]:
+    lo, hi = w.bounds()
+    params = {"resources": ray_resources_param(group), "num-cpus": str(ray_cpus(w.resources.cpu))}
+    if w.resources.gpu:
+        params["num-gpus"] = str(w.resources.gpu)
+    ports = [{"name": "serve", "containerPort": HTTP_PORT}]
+    env: list[dict[str, Any]] = []
+    if group == "router":
+        ports.insert(0, {"name": "grpc", "containerPort": GRPC_PORT})
+        env = _api_key_env(t)
+    return {"groupName": group, "replicas": lo, "minReplicas": lo, "maxReplicas": hi, "rayStartParams": params,
+            "template": pod_template(t, group, w.resources, workload=w, ports=ports, env=env)}
+
+
+# --- objects ----------------------------------------------------------------------------------
+
+def serve_config(cfg: ServingConfig) -> dict[str, Any]:
+    """Ray Serve's config (serveConfigV2): one application built from the ServingConfig."""
+    return {
+        # Proxies on every node: the router pods serve HTTP too (see the -http Service).
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": cfg.http_port},
+        "applications": [{"name": cfg.name, "route_prefix": "/", "import_path": APP_IMPORT_PATH,
+                          "args": {"config": cfg.model_dump(mode="json")}}],
+    }
+
+
+def rayservice(t: Target, cfg: ServingConfig) -> dict[str, Any]:
+    workloads = t.spec.workloads()
+    cluster = {
+        "rayVersion": t.defaults.ray_version,
+        "enableInTreeAutoscaling": any(w.scaling is not None for w in workloads.values()),
+        "headGroupSpec": head_group(t),
+        "workerGroupSpecs": [worker_group(t, g, w) for g, w in workloads.items()],
+    }
+    return {
+        "apiVersion": "ray.io/v1", "kind": "RayService",
+        "metadata": _meta(t, child_names(t.name)["rayservice"], "rayservice"),
+        "spec": {"serveConfigV2": yaml.safe_dump(serve_config(cfg), sort_keys=False), "rayClusterConfig": cluster},
+    }
+
+
+def configmap(t: Target, cfg: ServingConfig) -> dict[str, Any]:
+    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(t, child_names(t.name)["configmap"], "config"),
+            "data": {"serving.yaml": text}}
+
+
+def _router_service(t: Target, key: str, port: dict[str, Any]) -> dict[str, Any]:
+    selector = {LABEL_SERVICE: t.name, RAY_GROUP_LABEL: "router"}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(t, child_names(t.name)[key], key),
+            "spec": {"type": "ClusterIP", "selector": selector, "ports": [port]}}
+
+
+def grpc_service(t: Target) -> dict[str, Any]:
+    return _router_service(t, "grpc", {"name": "grpc", "port": GRPC_PORT, "targetPort": GRPC_PORT,
+                                       "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"})
+
+
+def http_service(t: Target) -> dict[str, Any]:
+    return _router_service(t, "http", {"name": "http", "port": HTTP_PORT, "targetPort": HTTP_PORT,
+                                       "protocol": "TCP"})
+
+
+def redis(t: Target) -> list[dict[str, Any]]:
+    """Managed Redis: LRU under maxMemory, no persistence (a cache: losing it means misses)."""
+    spec = t.spec.cache.redis
+    if spec is None or not spec.managed:
+        return []
+    name = child_names(t.name)["redis"]
+    cap = int(parse_quantity(spec.max_memory))
+    limit = f"{(cap + cap // 4 + (64 << 20)) >> 20}Mi"  # headroom for fragmentation and buffers
+    selector = {LABEL_SERVICE: t.name, "app.kubernetes.io/component": "redis"}
+    container = {
+        "name": "redis", "image": t.defaults.redis_image,
+        "args": ["--maxmemory", str(cap), "--maxmemory-policy", "allkeys-lru", "--save", "", "--appendonly", "no"],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
+        "resources": {"requests": {"cpu": "100m", "memory": limit}, "limits": {"memory": limit}},
+        "readinessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 5},
+        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "runAsUser": 999},
+    }
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(t, name, "redis"),
+        "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": selector},
+                 "template": {"metadata": {"labels": labels(t, "redis")}, "spec": {"containers": [container]}}},
+    }
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(t, name, "redis"),
+               "spec": {"type": "ClusterIP", "selector": selector,
+                        "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": REDIS_PORT}]}}
+    return [deployment, service]
+
+
+def render_all(t: Target) -> list[dict[str, Any]]:
+    """Every object this LLMService needs, in apply order (Redis and config before Ray)."""
+    cfg = t.serving_config()
+    return [configmap(t, cfg), *redis(t), rayservice(t, cfg), grpc_service(t), http_service(t)]
+

@@ -1,0 +1,212 @@
+"""The serving config: one typed model for a whole kvmesh deployment.
+
+`kvmesh serve --config FILE.yaml` reads it, `kvmesh.serve.app.build_app` turns it into a
+Ray Serve application, and the Kubernetes operator renders it from an `LLMService` spec
+(field names follow the CRD's, in snake_case). Omitting `prefill` gives unified serving
+(every `decode` replica prefills its own prompts); giving it means disaggregated P/D.
+
+Example (YAML)::
+
+    name: kvmesh
+    engine:
+      model: {dtype: float32}
+      cache: {block_size: 16}
+    router: {replicas: 1, config: {pd_threshold_tokens: 256}}
+    prefill: {replicas: 1, resources: {num_cpus: 1}}
+    decode:
+      autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}
+    kv_store: {redis_url: redis://127.0.0.1:6379/0}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvmesh.config import EngineConfig
+from kvmesh.router.config import RouterConfig
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Resources(_Base):
+    """What one replica asks Ray for (logical resources: Ray places by them)."""
+
+    num_cpus: float = Field(1.0, ge=0, description="CPUs per replica (fractions allowed).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (fractions allowed).")
+    memory_gb: float | None = Field(None, gt=0, description="Memory reserved per replica, GiB.")
+    custom: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources, e.g. {kvmesh-decode: 1}: the operator gives each role's Ray "
+        "worker group one such resource so the role's replicas land on its pods.",
+    )
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.memory_gb is not None:
+            opts["memory"] = int(self.memory_gb * (1 << 30))
+        if self.custom:
+            opts["resources"] = dict(self.custom)
+        return opts
+
+
+class Autoscaling(_Base):
+    """Ray Serve autoscaling: replicas follow ongoing requests per replica."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(
+        8.0, gt=0, description="Requests in flight per replica that autoscaling aims for."
+    )
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Autoscaling":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.min_replicas must be <= max_replicas")
+        return self
+
+    def ray(self) -> dict[str, Any]:
+        return {
+            "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests,
+            "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
+        }
+
+
+class Workload(_Base):
+    """One role's replicas: a fixed count or autoscaling, and per-replica resources.
+
+    `node_selector` and `tolerations` only matter on Kubernetes (the operator puts
+    them on the Ray worker group of this role)."""
+
+    replicas: int = Field(1, ge=0, description="Fixed replica count (ignored when autoscaling is set).")
+    autoscaling: Autoscaling | None = Field(None, description="Autoscale instead of a fixed count.")
+    resources: Resources = Field(default_factory=Resources)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    engine_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Flat engine options for this role only (e.g. {max_num_seqs: 8} for prefill).",
+    )
+
+    def scaling_options(self) -> dict[str, Any]:
+        if self.autoscaling is not None:
+            return {"autoscaling_config": self.autoscaling.ray()}
+        return {"num_replicas": self.replicas}
+
+
+class RouterWorkload(Workload):
+    config: RouterConfig = Field(default_factory=RouterConfig, description="Scorers, picker, P/D decider.")
+    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
+
+
+class KVStoreConfig(_Base):
+    """The shared KV block store the workers read and write (prefix / prompt cache)."""
+
+    redis_url: str | None = Field(
+        None, description="redis://host:port/db; None keeps one in-process memory store per worker."
+    )
+    ttl_s: float = Field(3600.0, gt=0, description="TTL of KV blocks written to the store.")
+
+    def url(self) -> str:
+        return self.redis_url or "memory"
+
+
+class TracingConfig(_Base):
+    """OpenTelemetry tracing; off unless an OTLP endpoint is set (or a test installs a provider)."""
+
+    otlp_endpoint: str | None = Field(None, description="OTLP/gRPC collector, e.g. http://otel-collector:4317.")
+    service_name: str = Field("kvmesh")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="Fraction of new traces sampled.")
+
+
+class ServingConfig(_Base):
+    name: str = Field("kvmesh", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                      description="Application name (Ray Serve app, registry actor, metrics label).")
+    model_id: str = Field("kvmesh", min_length=1, description="Model name clients send (OpenAI `model`).")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    router: RouterWorkload = Field(default_factory=RouterWorkload)
+    prefill: Workload | None = Field(None, description="Prefill replicas; None = unified serving.")
+    decode: Workload = Field(default_factory=Workload, description="Decode (or unified) replicas.")
+    kv_store: KVStoreConfig = Field(default_factory=KVStoreConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    host: str = Field("127.0.0.1", description="Address the gRPC and HTTP endpoints listen on.")
+    grpc_port: int = Field(50051, ge=0, le=65535, description="Public gRPC port (kvmesh.v1.LLM).")
+    http_port: int = Field(8000, ge=0, le=65535, description="OpenAI-compatible HTTP port.")
+    transfer_ttl_s: float = Field(30.0, gt=0, description="Seconds prefilled KV waits for its decode pull.")
+    registry_ttl_s: float = Field(
+        10.0, gt=0, description="A worker that misses heartbeats this long leaves the registry."
+    )
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
+
+    def roles(self) -> dict[str, Workload]:
+        """Worker roles to deploy: {prefill, decode} or {unified}."""
+        if self.prefill is None:
+            return {"unified": self.decode}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    def engine_for(self, role: str) -> EngineConfig:
+        """The engine config of one role: the shared one, the store, then the role's overrides."""
+        base = self.engine.model_dump()
+        if self.kv_store.redis_url is not None or base.get("kv_store") is None:
+            base["kv_store"] = self.kv_store.url()
+        base["kv_store_ttl_s"] = self.kv_store.ttl_s
+        cfg = EngineConfig(**base)
+        overrides = self.roles()[role].engine_overrides
+        if not overrides:
+            return cfg
+        flat = {**cfg.model.model_dump(), **cfg.cache.model_dump(), **cfg.scheduler.model_dump()}
+        top = {k: v for k, v in cfg.model_dump().items() if k not in ("model", "cache", "scheduler")}
+        try:
+            return EngineConfig.from_kwargs(**{**flat, **top, **overrides})
+        except ValueError as e:
+            raise ValueError(f"{role}.engine_overrides: {e}") from e
+
+    # -- Ray Serve ----------------------------------------------------------------------
+
+    def runtime_dict(self) -> dict[str, Any]:
+        """The config without placement (replica counts, autoscaling, resources): what the
+        replicas run. It is the Serve app's `args`; placement goes to the per-deployment
+        overrides, so scaling a role changes no `args` and restarts nothing."""
+        data = self.model_dump(mode="json")
+        data["router"] = {"config": data["router"]["config"]}
+        for role in ("prefill", "decode"):
+            if data[role] is not None:
+                data[role] = {"engine_overrides": data[role]["engine_overrides"]}
+        return data
+
+    def deployment_overrides(self) -> list[dict[str, Any]]:
+        """Per-deployment placement, in Ray Serve config-file form."""
+        out = []
+        for name, wl in [("router", self.router), *self.roles().items()]:
+            out.append({"name": name, **wl.scaling_options(), "ray_actor_options": wl.resources.ray_actor_options()})
+        return out
+
+    def ray_serve_application(self, import_path: str = "kvmesh.serve.app:build") -> dict[str, Any]:
+        """One entry of a Ray Serve config file's `applications` (also KubeRay's serveConfigV2)."""
+        return {"name": self.name, "route_prefix": "/", "import_path": import_path,
+                "args": {"config": self.runtime_dict()}, "deployments": self.deployment_overrides()}
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ServingConfig":
+        import yaml
+
+        text = Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the serving config must be a mapping, got {type(data).__name__}")
+        return cls.model_validate(data)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_defaults=True), sort_keys=False)

@@ -1,0 +1,44 @@
+"""Shared fixtures for the operator tests: import path, schemas, tool lookup."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED_K8S = ROOT.parent / "shared" / "k8s"
+CRD_FILE = ROOT / "helm" / "kvmesh" / "crds" / "llmservices.yaml"
+
+# The status timer's interval is read when kvmesh_operator.handlers is imported.
+os.environ.setdefault("KVMESH_STATUS_INTERVAL_S", "0.3")
+try:
+    import kvmesh_operator  # noqa: F401  (installed: pyproject finds packages in operator/)
+except ImportError:  # an install that predates operator/ in packages.find
+    sys.path.insert(0, str(ROOT / "operator"))
+
+
+@pytest.fixture(scope="session")
+def rayservice_schema() -> dict:
+    path = SHARED_K8S / "ray.io_rayservices.yaml"
+    if not path.exists():
+        pytest.fail(f"KubeRay's RayService CRD is missing: expected {path} (the shared/k8s folder next to "
+                    "the repository; see shared/k8s/README.md)")
+    crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 2 MB of YAML
+    return next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture(scope="session")
+def llmservice_schema() -> dict:
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def find_tool(name: str) -> str | None:
+    """helm / kubectl: PATH, then scripts/install_helm.sh's .tools/bin."""
+    return shutil.which(name) or next(
+        (str(p) for p in [ROOT / ".tools" / "bin" / name] if p.exists()), None)

@@ -1,0 +1,99 @@
+"""The Helm chart with the real `helm` binary: lint, template, validate every object.
+
+helm and kubectl come from scripts/install_helm.sh (.tools/bin) or PATH.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import CRD_FILE, ROOT, find_tool
+from helpers import validate_builtin
+
+CHART = ROOT / "helm" / "kvmesh"
+OPERATOR_RULES = {
+    ("kvmesh.dev", "llmservices"): {"get", "list", "watch", "patch"},
+    ("kvmesh.dev", "llmservices/status"): {"get", "patch"},
+    ("ray.io", "rayservices"): {"get", "create", "patch", "delete"},
+    ("", "services"): {"get", "create", "patch", "delete"},
+    ("", "configmaps"): {"get", "create", "patch", "delete"},
+    ("apps", "deployments"): {"get", "create", "patch", "delete"},
+    ("", "events"): {"create"},
+}
+CUSTOM = ["--set", "watchNamespaces={team-a,team-b}", "--set", "metrics.enabled=false",
+          "--set", "image.tag=1.2.3", "--set", "serviceAccount.name=llm-operator", "--set", "verbose=true",
+          "--set", "nodeSelector.pool=system", "--set", "managedRedis.image=redis:7.2",
+          "--set", "runtimeImage.repository=registry.local/kvmesh"]
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    path = find_tool("helm")
+    if path is None:
+        pytest.fail("helm not found on PATH or in .tools/bin: run scripts/install_helm.sh")
+    return path
+
+
+def _run(*args: str) -> str:
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _template(helm: str, *extra: str) -> dict[str, dict]:
+    out = _run(helm, "template", "kvmesh", str(CHART), "--namespace", "kvmesh-system", "--include-crds", *extra)
+    objs = [o for o in yaml.safe_load_all(out) if o]
+    return {f"{o['kind']}/{o['metadata'].get('namespace', '')}/{o['metadata']['name']}": o for o in objs}
+
+
+@pytest.mark.parametrize("values", [[], CUSTOM], ids=["default", "custom"])
+def test_helm_lint_strict(helm, values):
+    _run(helm, "lint", "--strict", str(CHART), *values)
+
+
+def test_default_values_render_valid_cluster_wide_operator(helm):
+    objs = _template(helm)
+    validate_builtin(objs.values())
+    crd = objs["CustomResourceDefinition//llmservices.kvmesh.dev"]
+    assert crd == yaml.safe_load(CRD_FILE.read_text())
+    role = objs["ClusterRole//kvmesh"]
+    assert {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"]
+            for r in rule["resources"]} == OPERATOR_RULES
+    deployment = objs["Deployment/kvmesh-system/kvmesh"]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["args"][0] == "--all-namespaces" and container["command"] == ["kvmesh-operator"]
+    assert container["image"] == "ghcr.io/kvmesh/kvmesh:0.1.0"
+    assert {e["name"]: e["value"] for e in container["env"]}["KVMESH_IMAGE"] == "ghcr.io/kvmesh/kvmesh:0.1.0"
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"} and deployment["spec"]["replicas"] == 1
+    assert objs["Service/kvmesh-system/kvmesh-metrics"]["spec"]["ports"][0]["port"] == 9090
+    binding = objs["ClusterRoleBinding//kvmesh"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvmesh", "namespace": "kvmesh-system"}]
+
+
+def test_custom_values_render_namespaced_operator(helm):
+    objs = _template(helm, *CUSTOM)
+    validate_builtin(objs.values())
+    assert not any(k.startswith(("ClusterRole", "Service/kvmesh-system/kvmesh-metrics")) for k in objs)
+    for ns in ("team-a", "team-b"):
+        assert objs[f"Role/{ns}/kvmesh"]["rules"] == objs["Role/team-a/kvmesh"]["rules"]
+        assert objs[f"RoleBinding/{ns}/kvmesh"]["subjects"][0]["name"] == "llm-operator"
+    spec = objs["Deployment/kvmesh-system/kvmesh"]["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    assert container["image"] == "ghcr.io/kvmesh/kvmesh:1.2.3"
+    assert "--namespace=team-a" in container["args"] and "--metrics-port=0" in container["args"]
+    assert "--verbose" in container["args"] and spec["nodeSelector"] == {"pool": "system"}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["KVMESH_REDIS_IMAGE"] == "redis:7.2" and env["KVMESH_IMAGE"] == "registry.local/kvmesh:0.1.0"
+    assert objs["ServiceAccount/kvmesh-system/llm-operator"]
+
+
+def test_kustomize_base_builds(helm):
+    kubectl = find_tool("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl not found on PATH or in .tools/bin: run scripts/install_helm.sh")
+    objs = [o for o in yaml.safe_load_all(_run(kubectl, "kustomize", str(ROOT / "deploy"))) if o]
+    assert sorted(o["kind"] for o in objs) == ["LLMService", "LLMService", "Namespace"]
+    assert {o["metadata"].get("namespace") for o in objs if o["kind"] == "LLMService"} == {"kvmesh-serving"}

@@ -1,0 +1,269 @@
+"""The operator end to end: kopf in-process against kmock's in-memory Kubernetes API.
+
+kmock stores, patches, lists and watches objects; `ApiServer` adds what a real API server
+stamps on every write (uid, generation, resourceVersion, names from generateName), so
+"patched, not recreated" is checked the way it is on a cluster: the uid stays the same.
+The test plays KubeRay by writing the RayService status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import threading
+import uuid
+from typing import Any, Awaitable, Callable
+
+import attrs
+import kmock
+import kopf
+import pytest
+import pytest_asyncio
+
+NS = "ml"
+LLMS = "/apis/kvmesh.dev/v1alpha1/namespaces/ml/llmservices"
+RAYSERVICES = "/apis/ray.io/v1/namespaces/ml/rayservices"
+SERVICES = "/api/v1/namespaces/ml/services"
+CONFIGMAPS = "/api/v1/namespaces/ml/configmaps"
+DEPLOYMENTS = "/apis/apps/v1/namespaces/ml/deployments"
+EVENTS = "/api/v1/namespaces/ml/events"
+
+pytestmark = pytest.mark.asyncio
+
+
+@attrs.define(kw_only=True)
+class ApiServer(kmock.KubernetesEmulator):
+    _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        data = request.data
+        if request.resource is not None and isinstance(data, dict):
+            meta = data.setdefault("metadata", {})
+            meta["resourceVersion"] = str(next(self._versions))
+            if request.action == kmock.action.CREATE:
+                if not meta.get("name") and meta.get("generateName"):
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+                meta.update(uid=str(uuid.uuid4()), generation=1,
+                            creationTimestamp=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            elif request.action == kmock.action.UPDATE and "spec" in data and request.subresource is None:
+                key = (request.resource, request.namespace, request.name)
+                if key in self.objects and not self.objects[key].deleted:
+                    current = self.objects[key].raw
+                    if current.get("spec") != {**current.get("spec", {}), **data["spec"]}:
+                        meta["generation"] = current.get("metadata", {}).get("generation", 1) + 1
+        return await super()._handle(request)
+
+
+def _declare(server: ApiServer) -> None:
+    verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
+    server.resources["kvmesh.dev/v1alpha1/llmservices"] = kmock.ResourceInfo(
+        kind="LLMService", singular="llmservice", namespaced=True, verbs=verbs, shortnames={"llms"},
+        subresources={"status"})
+    server.resources["ray.io/v1/rayservices"] = kmock.ResourceInfo(
+        kind="RayService", singular="rayservice", namespaced=True, verbs=verbs, subresources={"status"})
+    server.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", singular="namespace",
+                                                           namespaced=False, verbs=verbs)
+    server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
+        kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False, verbs=verbs)
+    for key, kind in [("v1/services", "Service"), ("v1/configmaps", "ConfigMap"), ("v1/events", "Event"),
+                      ("apps/v1/deployments", "Deployment")]:
+        server.resources[key] = kmock.ResourceInfo(kind=kind, singular=kind.lower(), namespaced=True, verbs=verbs)
+
+
+@pytest_asyncio.fixture
+async def api(tmp_path, monkeypatch):
+    async with ApiServer() as server, kmock.Server(server):
+        _declare(server)
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: kmock\n"
+            f"clusters: [{{name: kmock, cluster: {{server: '{server.url}'}}}}]\n"
+            "users: [{name: test, user: {}}]\n"
+            f"contexts: [{{name: kmock, context: {{cluster: kmock, user: test, namespace: {NS}}}}}]\n")
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        yield server
+
+
+@pytest_asyncio.fixture
+async def operator(api):
+    """kopf in its own thread and event loop (it cancels every task of its loop when it stops),
+    talking to kmock over loopback HTTP like to a real API server."""
+    import kvmesh_operator.handlers  # noqa: F401  (registers the handlers in kopf's default registry)
+
+    settings = kopf.OperatorSettings()
+    settings.queueing.idle_timeout = 0.5
+    settings.watching.reconnect_backoff = 0.1
+    stop, ready = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(kopf.operator(standalone=True, namespaces=[NS], settings=settings, stop_flag=stop,
+                                      ready_flag=ready, memo=kopf.Memo()))
+        except BaseException as e:  # noqa: BLE001  (reported by the assertion below)
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="kopf", daemon=True)
+    thread.start()
+    assert await asyncio.to_thread(ready.wait, 15), "the operator did not start"
+    yield thread
+    assert thread.is_alive() and not errors, f"the operator stopped on its own: {errors}"
+    stop.set()
+    await asyncio.to_thread(thread.join, 20)
+    assert not thread.is_alive(), "the operator did not stop within 20s"
+    assert not errors, errors
+
+
+async def get(api: ApiServer, path: str) -> dict[str, Any] | None:
+    async with api.get(path) as resp:
+        if resp.status == 404:
+            return None
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def write(api: ApiServer, method: str, path: str, body: Any) -> dict[str, Any]:
+    headers = {"Content-Type": "application/merge-patch+json"} if method == "PATCH" else {}
+    async with api.request(method, path, json=body, headers=headers) as resp:
+        assert resp.status < 300, await resp.text()
+        return await resp.json()
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 20.0) -> Any:
+    """Poll `check` until it returns something truthy (the operator is asynchronous)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {check.__name__}; last: {value!r}")
+        await asyncio.sleep(0.05)
+
+
+def llmservice(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "kvmesh.dev/v1alpha1", "kind": "LLMService",
+            "metadata": {"name": name, "namespace": NS}, "spec": spec}
+
+
+def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == kind:
+            return c
+    return {}
+
+
+HEALTHY = {
+    "serviceStatus": "Running",
+    "conditions": [{"type": "Ready", "status": "True", "reason": "NonZeroServeEndpoints",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z"}],
+    "activeServiceStatus": {"applicationStatuses": {"chat": {
+        "status": "RUNNING",
+        "serveDeploymentStatuses": {d: {"status": "HEALTHY"} for d in ("router", "prefill", "decode")}}}},
+}
+
+
+async def test_lifecycle_create_update_ready_delete(api, operator):
+    spec = {"prefill": {"replicas": 1}, "decode": {"replicas": 2}, "cache": {"redis": {"managed": True}}}
+    owner = await write(api, "POST", LLMS, llmservice("chat", spec))
+    uid = owner["metadata"]["uid"]
+
+    async def children():
+        objs = [await get(api, p) for p in (f"{RAYSERVICES}/chat", f"{SERVICES}/chat-grpc", f"{SERVICES}/chat-http",
+                                            f"{CONFIGMAPS}/chat-config", f"{DEPLOYMENTS}/chat-redis",
+                                            f"{SERVICES}/chat-redis")]
+        return objs if all(objs) else None
+
+    objs = await eventually(children)
+    for obj in objs:
+        refs = obj["metadata"]["ownerReferences"]
+        assert [(r["kind"], r["name"], r["uid"], r["controller"]) for r in refs] == [("LLMService", "chat", uid, True)]
+    rayservice = objs[0]
+    groups = {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert (groups["prefill"]["replicas"], groups["decode"]["replicas"]) == (1, 2)
+    assert "redis://chat-redis.ml.svc:6379/0" in objs[3]["data"]["serving.yaml"]
+    progressing = await eventually(lambda: _cond(api, "Progressing", "True"))
+    assert progressing["reason"] == "Deploying"
+
+    # Update: scale decode -> the RayService is patched in place (same uid), Redis dropped.
+    rs_uid = rayservice["metadata"]["uid"]
+    await write(api, "PATCH", f"{LLMS}/chat", {"spec": {"decode": {"replicas": 4}, "cache": None}})
+
+    async def scaled():
+        rs = await get(api, f"{RAYSERVICES}/chat")
+        groups = {g["groupName"]: g["replicas"] for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+        return rs if groups["decode"] == 4 else None
+
+    rayservice = await eventually(scaled)
+    assert rayservice["metadata"]["uid"] == rs_uid
+    assert len(api.objects["ray.io/v1/rayservices", NS, "chat"].history) >= 2  # patched, never deleted
+    assert not api.objects["ray.io/v1/rayservices", NS, "chat"].deleted
+    await eventually(lambda: _absent(api, f"{DEPLOYMENTS}/chat-redis"))
+
+    # KubeRay reports the service healthy -> Ready with endpoints and per-role replicas.
+    await write(api, "PATCH", f"{RAYSERVICES}/chat/status", {"status": HEALTHY})
+    ready = await eventually(lambda: _cond(api, "Ready", "True"))
+    assert ready["reason"] == "Serving"
+    status = (await get(api, f"{LLMS}/chat"))["status"]
+    assert status["endpoints"] == {"grpc": "chat-grpc.ml.svc:50051", "http": "http://chat-http.ml.svc:8000"}
+    assert status["mode"] == "disaggregated"
+    assert status["roles"]["decode"] == {"deployment": "decode", "state": "HEALTHY", "replicas": 4,
+                                         "maxReplicas": 4, "readyReplicas": 4, "ready": "4/4"}
+    assert status["observedGeneration"] == 2
+    assert condition({"status": status}, "Degraded")["status"] == "False"
+
+    # A deployment turns unhealthy -> Degraded with the reason and KubeRay's message.
+    broken = {"activeServiceStatus": {"applicationStatuses": {"chat": {"status": "DEPLOY_FAILED",
+              "serveDeploymentStatuses": {"decode": {"status": "DEPLOY_FAILED", "message": "OOM"}}}}}}
+    await write(api, "PATCH", f"{RAYSERVICES}/chat/status", {"status": broken})
+    degraded = await eventually(lambda: _cond(api, "Degraded", "True"))
+    assert degraded["reason"] == "DeploymentUnhealthy" and "OOM" in degraded["message"]
+
+    # Delete -> the delete handler runs, removes the finalizer and the children.
+    async with api.request("DELETE", f"{LLMS}/chat") as resp:
+        assert resp.status == 200, await resp.text()
+    await eventually(lambda: _absent(api, f"{LLMS}/chat"))
+    for path in (f"{RAYSERVICES}/chat", f"{SERVICES}/chat-grpc", f"{SERVICES}/chat-http", f"{CONFIGMAPS}/chat-config"):
+        assert await get(api, path) is None, path
+
+
+async def _cond(api: ApiServer, kind: str, status: str, name: str = "chat") -> dict[str, Any] | None:
+    c = condition(await get(api, f"{LLMS}/{name}"), kind)
+    return c if c.get("status") == status else None
+
+
+async def _absent(api: ApiServer, path: str) -> bool:
+    return await get(api, path) is None
+
+
+async def test_invalid_spec_degrades_with_event_and_recovers(api, operator):
+    bad = {"decode": {"replicas": 2, "scaling": {"minReplicas": 1, "maxReplicas": 3}}, "model": {"uri": "s3://b/m"}}
+    await write(api, "POST", LLMS, llmservice("broken", bad))
+    degraded = await eventually(lambda: _cond(api, "Degraded", "True", "broken"))
+    assert degraded["reason"] == "InvalidSpec"
+    assert "spec.decode" in degraded["message"] and "either replicas or scaling" in degraded["message"]
+    assert condition(await get(api, f"{LLMS}/broken"), "Ready")["status"] == "False"
+
+    async def warning():
+        events = (await get(api, EVENTS))["items"]
+        return [e for e in events if e.get("reason") == "InvalidSpec" and e["involvedObject"]["name"] == "broken"]
+
+    [event] = await eventually(warning)
+    assert event["type"] == "Warning" and "either replicas or scaling" in event["message"]
+    assert await get(api, f"{RAYSERVICES}/broken") is None
+    assert operator.is_alive()
+
+    # The error names the field; the next problem is reported the same way, then a fix recovers.
+    await write(api, "PATCH", f"{LLMS}/broken", {"spec": {"decode": {"scaling": None}}})
+    uri = await eventually(lambda: _uri_error(api))
+    assert "never downloads weights" in uri["message"]
+    await write(api, "PATCH", f"{LLMS}/broken", {"spec": {"model": {"uri": "/models/m"}}})
+    await eventually(lambda: get(api, f"{RAYSERVICES}/broken"))
+    fixed = await eventually(lambda: _cond(api, "Degraded", "False", "broken"))
+    assert fixed["reason"] == "AsExpected"
+
+
+async def _uri_error(api: ApiServer) -> dict[str, Any] | None:
+    c = await _cond(api, "Degraded", "True", "broken")
+    return c if c and "spec.model.uri" in c["message"] else None

@@ -1,0 +1,124 @@
+"""Rendered objects: valid against KubeRay's CRD and the Kubernetes schemas, and wired right."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from helpers import validate_builtin, validate_schema
+from kvmesh.serve.config import ServingConfig
+from kvmesh_operator.render import Defaults, Target, render_all
+from kvmesh_operator.spec import parse_spec
+
+SPECS = {
+    "minimal": {},
+    "unified-cpu": {"decode": {"replicas": 2, "resources": {"cpu": "2", "memory": "4Gi"}}},
+    "disaggregated-gpu": {
+        "model": {"uri": "pvc://models/llama", "dtype": "bfloat16", "draft": {"method": "ngram"}},
+        "prefill": {"replicas": 2, "resources": {"cpu": "8", "memory": "48Gi", "gpu": 1},
+                    "nodeSelector": {"gpu": "h100"},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        "decode": {"replicas": 4, "resources": {"cpu": "8", "memory": "48Gi", "gpu": 1}},
+        "cache": {"redis": {"managed": True, "maxMemory": "2Gi"}},
+        "promptCache": [{"name": "sys", "text": "You are helpful."}],
+        "auth": {"apiKeySecretRef": {"name": "key", "key": "api-key"}},
+    },
+    "autoscaling-external-redis": {
+        "image": "registry.local/kvmesh:dev",
+        "router": {"scaling": {"minReplicas": 1, "maxReplicas": 3}},
+        "decode": {"scaling": {"minReplicas": 1, "maxReplicas": 8}},
+        "cache": {"redis": {"url": "redis://redis.cache:6379/1"}},
+    },
+}
+
+
+def _render(case: str) -> tuple[Target, dict[str, dict]]:
+    t = Target(name="svc", namespace="ml", spec=parse_spec(SPECS[case]))
+    return t, {f"{o['kind']}/{o['metadata']['name']}": o for o in render_all(t)}
+
+
+@pytest.mark.parametrize("case", SPECS)
+def test_rendered_objects_validate(case, rayservice_schema):
+    _, objs = _render(case)
+    validate_schema(objs["RayService/svc"], rayservice_schema)
+    assert validate_builtin(o for k, o in objs.items() if not k.startswith("RayService/")) >= 3
+
+
+@pytest.mark.parametrize("case", SPECS)
+def test_serve_config_runs_the_app_with_the_serving_config(case):
+    t, objs = _render(case)
+    serve = yaml.safe_load(objs["RayService/svc"]["spec"]["serveConfigV2"])
+    [app] = serve["applications"]
+    assert app["import_path"] == "kvmesh.serve.app:build" and app["name"] == "svc"
+    assert serve["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    cfg = ServingConfig.model_validate(app["args"]["config"])
+    assert cfg == t.serving_config() and cfg.host == "0.0.0.0"
+    assert ServingConfig.model_validate(yaml.safe_load(objs["ConfigMap/svc-config"]["data"]["serving.yaml"])) == cfg
+
+
+@pytest.mark.parametrize("case", SPECS)
+def test_each_role_lands_on_its_worker_group(case):
+    t, objs = _render(case)
+    cfg = t.serving_config()
+    cluster = objs["RayService/svc"]["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(groups) == {"router", "decode"} | ({"prefill"} if cfg.disaggregated else set())
+    asks = {"router": cfg.router, **{("decode" if r == "unified" else r): w for r, w in cfg.roles().items()}}
+    for group, workload in asks.items():
+        offered = json.loads(json.loads(groups[group]["rayStartParams"]["resources"]))
+        assert offered == {f"kvmesh-{group}": 1} and workload.resources.custom == {f"kvmesh-{group}": 1.0}
+        assert float(groups[group]["rayStartParams"]["num-cpus"]) >= workload.resources.num_cpus
+        lo, hi = (workload.autoscaling.min_replicas, workload.autoscaling.max_replicas) if workload.autoscaling \
+            else (workload.replicas, workload.replicas)
+        assert (groups[group]["minReplicas"], groups[group]["maxReplicas"]) == (lo, hi)
+    assert cluster["enableInTreeAutoscaling"] == any(w.autoscaling for w in asks.values())
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_gpu_placement_volumes_and_auth():
+    _, objs = _render("disaggregated-gpu")
+    groups = {g["groupName"]: g for g in objs["RayService/svc"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    prefill = groups["prefill"]["template"]["spec"]
+    assert prefill["nodeSelector"] == {"gpu": "h100"}
+    assert prefill["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    [container] = prefill["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert groups["prefill"]["rayStartParams"]["num-gpus"] == "1"
+    assert container["volumeMounts"] == [{"name": "model-0", "mountPath": "/mnt/models/models", "readOnly": True}]
+    router = groups["router"]["template"]["spec"]["containers"][0]
+    assert {"name": "KVMESH_API_KEY", "valueFrom": {"secretKeyRef": {"name": "key", "key": "api-key"}}} in router["env"]
+    assert "env" not in container  # the key goes to router and head pods only
+
+
+def test_services_select_router_pods_and_redis():
+    _, objs = _render("disaggregated-gpu")
+    router_labels = {g["groupName"]: g for g in objs["RayService/svc"]["spec"]["rayClusterConfig"]
+                     ["workerGroupSpecs"]}["router"]["template"]["metadata"]["labels"]
+    pod_labels = {**router_labels, "ray.io/group": "router"}  # KubeRay adds ray.io/group to every pod
+    for name, port in (("svc-grpc", 50051), ("svc-http", 8000)):
+        svc = objs[f"Service/{name}"]["spec"]
+        assert svc["ports"][0]["port"] == port
+        assert svc["selector"].items() <= pod_labels.items() and svc["selector"]["ray.io/group"] == "router"
+    redis = objs["Deployment/svc-redis"]["spec"]["template"]["spec"]["containers"][0]
+    assert redis["args"][:4] == ["--maxmemory", str(2 * 2**30), "--maxmemory-policy", "allkeys-lru"]
+    assert objs["Service/svc-redis"]["spec"]["selector"].items() <= \
+        objs["Deployment/svc-redis"]["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_images_and_no_managed_redis():
+    _, objs = _render("autoscaling-external-redis")
+    assert "Deployment/svc-redis" not in objs
+    pods = [objs["RayService/svc"]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"],
+            *[g["template"] for g in objs["RayService/svc"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]]]
+    assert {p["spec"]["containers"][0]["image"] for p in pods} == {"registry.local/kvmesh:dev"}
+    t = Target(name="svc", namespace="ml", spec=parse_spec({}), defaults=Defaults(image="x/y:1", ray_version="9.9"))
+    rs = {o["kind"]: o for o in render_all(t)}["RayService"]
+    assert rs["spec"]["rayClusterConfig"]["rayVersion"] == "9.9"
+    assert rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"] == "x/y:1"
+
+
+def test_rendering_is_pure():
+    assert render_all(Target("a", "b", parse_spec(SPECS["disaggregated-gpu"]))) == \
+        render_all(Target("a", "b", parse_spec(SPECS["disaggregated-gpu"])))

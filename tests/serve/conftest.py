@@ -1,0 +1,75 @@
+"""Start `kvmesh serve` (Ray Serve on a local Ray instance) as a real OS process."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+_READY = re.compile(r"KVMESH_SERVE_READY grpc=(\S+) http=(\S+)")
+
+
+@dataclass
+class Serve:
+    popen: subprocess.Popen
+    log: Path
+    grpc: str = ""
+    http: str = ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def kvmesh_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvmesh.cli", *args]
+
+
+def start_serve(args: list[str], log: Path, timeout: float = 600.0) -> Serve:
+    """Run `kvmesh serve ARGS` and wait for its READY line (the app is deployed)."""
+    env = {**os.environ, **_ENV}
+    with open(log, "w") as fh:
+        popen = subprocess.Popen(kvmesh_cmd("serve", *args), stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)
+    s = Serve(popen, log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = _READY.search(log.read_text())
+        if m:
+            s.grpc, s.http = m.group(1), m.group(2)
+            return s
+        if not s.alive():
+            break
+        time.sleep(0.5)
+    stop_serve(s)
+    raise RuntimeError(f"kvmesh serve did not become ready in {timeout}s; log:\n{log.read_text()[-6000:]}")
+
+
+def run_kvmesh(args: list[str], timeout: float = 600.0) -> subprocess.CompletedProcess:
+    return subprocess.run(kvmesh_cmd(*args), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **_ENV})
+
+
+def stop_serve(s: Serve, timeout: float = 120.0) -> int | None:
+    """Ctrl-C, as a user would; the process shuts the app and Ray down. Kill on timeout."""
+    if s.alive():
+        s.popen.send_signal(signal.SIGINT)
+        try:
+            return s.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(s.popen.pid, signal.SIGKILL)
+            s.popen.wait()
+            subprocess.run(["ray", "stop", "--force"], capture_output=True)
+    return s.popen.returncode
+
+
+def free_port() -> int:
+    from kvmesh.serve.protocol import free_port as fp
+
+    return fp()

@@ -1,0 +1,87 @@
+"""An in-process cluster for the telemetry tests: a prefill and a decode WorkerServer
+(AsyncLLMEngine on the tiny random Llama) and two RouterServers on them, one that
+always disaggregates ("pd") and one that never does ("uni"), all on one event loop
+in a background thread (so tests can also scrape HTTP endpoints from the main one)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from kvmesh.serve.protocol import free_port
+
+BS = 4
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="telemetry-test-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@dataclass
+class Cluster:
+    loop: LoopThread
+    prefill: object  # WorkerServer
+    decode: object
+    pd_router: object  # RouterServer, decider always
+    uni_router: object  # RouterServer, decider never
+    decode_metrics_port: int
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_llama):
+    from kvmesh.engine.async_engine import AsyncLLMEngine
+    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.router.config import RouterConfig
+    from kvmesh.router.registry import StaticRegistry
+    from kvmesh.router.server import RouterServer
+    from kvmesh.worker.server import WorkerServer, WorkerServerConfig
+
+    def engine():
+        return AsyncLLMEngine(LLMEngine.from_kwargs(model=str(tiny_llama), progress=False, block_size=BS,
+                                                    num_blocks=128, max_model_len=256, num_threads=1))
+
+    loop = LoopThread()
+    metrics_port = free_port()
+    started = []
+
+    async def start():
+        prefill = WorkerServer(engine(), WorkerServerConfig(role="prefill"))
+        decode = WorkerServer(engine(), WorkerServerConfig(role="decode", metrics_port=metrics_port))
+        for w in (prefill, decode):
+            await w.start()
+            started.append(w)
+        addresses = [prefill.address, decode.address]
+        routers = []
+        for model_id, decider in (("pd", "always"), ("uni", "never")):
+            r = RouterServer(StaticRegistry(addresses), prefill.aengine.tokenizer,
+                             RouterConfig(decider=decider, stats_interval_s=0.1), model_id=model_id)
+            await r.start(min_workers=2)
+            started.append(r)
+            routers.append(r)
+        return Cluster(loop, prefill, decode, *routers, metrics_port)
+
+    try:
+        yield loop.run(start(), timeout=120)
+    finally:
+        async def stop():
+            for s in reversed(started):
+                await s.stop(grace=0.5)
+
+        try:
+            loop.run(stop(), timeout=60)
+        finally:
+            loop.close()
