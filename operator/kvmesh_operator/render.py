@@ -174,13 +174,16 @@ def worker_group(t: Target, group: str, w: WorkloadSpec) -> dict[str, Any]:
 # --- objects ----------------------------------------------------------------------------------
 
 def serve_config(cfg: ServingConfig) -> dict[str, Any]:
-    """Ray Serve's config (serveConfigV2): one application built from the ServingConfig."""
+    """Ray Serve's config (serveConfigV2): one application built from the ServingConfig.
+
+    `args` carries the config without placement and `deployments` the per-role replica
+    counts / autoscaling / resources (ServingConfig.ray_serve_application), so a changed
+    replica count scales in place instead of replacing every replica."""
     return {
         # Proxies on every node: the router pods serve HTTP too (see the -http Service).
         "proxy_location": "EveryNode",
         "http_options": {"host": "0.0.0.0", "port": cfg.http_port},
-        "applications": [{"name": cfg.name, "route_prefix": "/", "import_path": APP_IMPORT_PATH,
-                          "args": {"config": cfg.model_dump(mode="json")}}],
+        "applications": [cfg.ray_serve_application(APP_IMPORT_PATH)],
     }
 
 

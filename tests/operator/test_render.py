@@ -53,8 +53,13 @@ def test_serve_config_runs_the_app_with_the_serving_config(case):
     [app] = serve["applications"]
     assert app["import_path"] == "kvmesh.serve.app:build" and app["name"] == "svc"
     assert serve["http_options"] == {"host": "0.0.0.0", "port": 8000}
-    cfg = ServingConfig.model_validate(app["args"]["config"])
-    assert cfg == t.serving_config() and cfg.host == "0.0.0.0"
+    cfg = t.serving_config()
+    assert cfg.host == "0.0.0.0"
+    # args: the config without placement (scaling changes no args); placement per deployment.
+    assert app["args"]["config"] == cfg.runtime_dict()
+    assert ServingConfig.model_validate(app["args"]["config"]).roles().keys() == cfg.roles().keys()
+    assert app["deployments"] == cfg.deployment_overrides()
+    assert {d["name"] for d in app["deployments"]} == {"router", *cfg.roles()}
     assert ServingConfig.model_validate(yaml.safe_load(objs["ConfigMap/svc-config"]["data"]["serving.yaml"])) == cfg
 
 

@@ -134,7 +134,8 @@ def token_stream(tokenizer, split: str, max_tokens: int | None = None) -> list[i
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     for doc in split_documents(split):
-        ids += tokenizer(doc.text, add_special_tokens=False)["input_ids"]
+        # verbose=False: documents may exceed the model's context; they are cut into windows later.
+        ids += tokenizer(doc.text, add_special_tokens=False, verbose=False)["input_ids"]
         if eos is not None:
             ids.append(eos)
         if max_tokens is not None and len(ids) >= max_tokens:

@@ -35,7 +35,11 @@ class RouterServer:
         self.metrics_server = None
         self.pool = WorkerPool(registry, config.affinity_capacity, config.max_block_hashes,
                                config.stats_timeout_s, config.unhealthy_cooldown_s)
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        from kvmesh.serve.auth import ApiKeyInterceptor, api_key
+
+        key = api_key()
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS,
+                                      interceptors=[ApiKeyInterceptor(key)] if key else None)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"could not listen on {host}:{port}; pick another --port")

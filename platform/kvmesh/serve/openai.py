@@ -194,6 +194,9 @@ class GrpcBackend:
         self.timeout_s = timeout_s
         self._stub: llm_pb2_grpc.LLMStub | None = None
         self._channel: grpc.aio.Channel | None = None
+        from kvmesh.serve.auth import api_key, bearer_metadata
+
+        self.metadata = bearer_metadata(api_key())  # the router checks the same key
 
     @property
     def stub(self) -> llm_pb2_grpc.LLMStub:
@@ -215,14 +218,24 @@ class GrpcBackend:
         return self.tokenizer.decode([token_id])
 
     async def list_models(self) -> llm_pb2.ListModelsResponse:
-        return await self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=10)
+        return await self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=10, metadata=self.metadata)
 
     def generate(self, request: llm_pb2.GenerateRequest) -> AsyncIterator[llm_pb2.GenerateResponse]:
-        return self.stub.Generate(request, timeout=self.timeout_s)
+        """Stream from the router, in a `kvmesh.http.generate` span whose context the
+        router continues (one trace from HTTP to the workers, when tracing is on)."""
+        return self._generate(request)
+
+    async def _generate(self, request: llm_pb2.GenerateRequest) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        from kvmesh.telemetry import tracing
+
+        with tracing.span("kvmesh.http.generate") as s:
+            metadata = (*self.metadata, *(tracing.grpc_metadata(s) or ())) or None
+            async for msg in self.stub.Generate(request, timeout=self.timeout_s, metadata=metadata):
+                yield msg
 
     async def healthy(self) -> bool:
         try:
-            models = await self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=5)
+            models = await self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=5, metadata=self.metadata)
             return len(models.models) > 0
         except grpc.aio.AioRpcError:
             return False
@@ -236,10 +249,26 @@ class GrpcBackend:
 
 
 def _usage(u: llm_pb2.Usage, original_prompt_tokens: int | None = None) -> dict[str, Any]:
-    out = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-           "total_tokens": u.prompt_tokens + u.completion_tokens,
-           "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
-    return out
+    """OpenAI usage; `prompt_tokens_details.original_prompt_tokens` (kvmesh) appears
+    when prompt compression shortened the prompt."""
+    details: dict[str, Any] = {"cached_tokens": u.cached_prompt_tokens}
+    original = original_prompt_tokens or u.original_prompt_tokens
+    if original:
+        details["original_prompt_tokens"] = original
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens, "prompt_tokens_details": details}
+
+
+def _sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """Usage of several choices (a batch of prompts) added up, details included."""
+    total: dict[str, Any] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    for u in usages:
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            total[k] += u[k]
+        for k, v in u["prompt_tokens_details"].items():
+            total["prompt_tokens_details"][k] = total["prompt_tokens_details"].get(k, 0) + v
+    return total
 
 
 def _sse(obj: Any) -> str:
@@ -263,6 +292,19 @@ def create_app(get_backend: Callable[[], GrpcBackend], metrics: Callable[[], tup
         msg = f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg", exc))
         return JSONResponse(APIError(400, msg, param=loc or None).body(), status_code=400)
 
+    from kvmesh.serve.auth import api_key, authorized
+
+    key = api_key()
+
+    if key:
+        @app.middleware("http")
+        async def _check_key(request: Request, call_next):
+            if request.url.path.startswith("/v1/") and not authorized(request.headers.get("authorization"), key):
+                err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                               "authentication_error", code="invalid_api_key")
+                return JSONResponse(err.body(), status_code=401)
+            return await call_next(request)
+
     def backend() -> GrpcBackend:
         b = get_backend()
         if b is None:
@@ -275,18 +317,17 @@ def create_app(get_backend: Callable[[], GrpcBackend], metrics: Callable[[], tup
                            "not_found_error", param="model", code="model_not_found")
         return b.model_id
 
-    def compression_proto(body: _SamplingFields):
+    def compression_options(body: _SamplingFields):
+        """Validated `compression` options (a kvmesh extension), or None."""
         if body.compression is None:
             return None
-        try:
-            from kvmesh.compress import options_from_openai
-        except ImportError:
-            raise APIError(400, "prompt compression is not available in this build; remove compression",
-                           param="compression") from None
+        from kvmesh.compress import options_from_openai
+        from kvmesh.errors import InvalidRequestError
+
         try:
             return options_from_openai({"compression": body.compression})
-        except ValueError as e:
-            raise APIError(400, f"compression: {e}", param="compression") from None
+        except (InvalidRequestError, ValueError) as e:
+            raise APIError(400, str(e), param=getattr(e, "field", "compression")) from None
 
     def build_request(rid: str, prompt: str | list[int], params: llm_pb2.SamplingParams,
                       body: _SamplingFields) -> llm_pb2.GenerateRequest:
@@ -295,9 +336,12 @@ def create_app(get_backend: Callable[[], GrpcBackend], metrics: Callable[[], tup
             req.prompt = prompt
         else:
             req.prompt_token_ids.extend(prompt)
-        comp = compression_proto(body)
-        if comp is not None:
-            _attach_compression(req, comp)
+        if isinstance(prompt, str):  # the router compresses text prompts (chat is compressed here)
+            comp = compression_options(body)
+            if comp is not None:
+                from kvmesh.compress import options_to_proto
+
+                req.compression.CopyFrom(options_to_proto(comp))
         return req
 
     async def collect(b: GrpcBackend, req: llm_pb2.GenerateRequest) -> tuple[str, list[llm_pb2.GenerateResponse]]:
@@ -362,19 +406,18 @@ def create_app(get_backend: Callable[[], GrpcBackend], metrics: Callable[[], tup
 
         if not body.stream:
             results = await asyncio.gather(*(collect(b, r) for r in reqs))
-            choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+            choices, usages = [], []
             for i, (text, msgs) in enumerate(results):
                 last = msgs[-1] if msgs else llm_pb2.GenerateResponse()
                 choices.append({"index": i, "text": text, "logprobs": logprobs_obj(msgs),
                                 "finish_reason": last.finish_reason or None})
-                u = _usage(last.usage)
-                for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
-                    usage[k] += u[k]
+                usages.append(_usage(last.usage))
+            usage = _sum_usage(usages)
             return {"id": cid, "object": "text_completion", "created": created, "model": model,
                     "choices": choices, "usage": usage}
 
         async def events() -> AsyncIterator[str]:
-            usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+            usages = []
             try:
                 async for i, msg in _merge([b.generate(r) for r in reqs]):
                     chunk = {"id": cid, "object": "text_completion", "created": created, "model": model,
@@ -382,12 +425,10 @@ def create_app(get_backend: Callable[[], GrpcBackend], metrics: Callable[[], tup
                                           "finish_reason": msg.finish_reason or None}]}
                     yield _sse(chunk)
                     if msg.finish_reason:
-                        u = _usage(msg.usage)
-                        for k in usage:
-                            usage[k] += u[k]
+                        usages.append(_usage(msg.usage))
                 if body.include_usage_in_stream():
                     yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [], "usage": usage})
+                                "choices": [], "usage": _sum_usage(usages)})
             except grpc.aio.AioRpcError as e:
                 yield _sse(APIError.from_grpc(e).body())
             yield "data: [DONE]\n\n"
@@ -402,6 +443,12 @@ def create_app(get_backend: Callable[[], GrpcBackend], metrics: Callable[[], tup
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         ids = b.chat_prompt_ids(body.messages)
+        original_tokens = None
+        comp = compression_options(body)
+        if comp is not None:
+            original_tokens = len(ids)
+            messages = await _compress_messages(body.messages, comp, b.tokenizer)
+            ids = b.chat_prompt_ids(messages)
         n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.to_proto(n_logprobs, default_max_tokens=None)
         if body.max_tokens is None:
@@ -430,7 +477,7 @@ def create_app(get_backend: Callable[[], GrpcBackend], metrics: Callable[[], tup
             return {"id": cid, "object": "chat.completion", "created": created, "model": model,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                  "logprobs": logprobs_obj(msgs), "finish_reason": last.finish_reason or None}],
-                    "usage": _usage(last.usage)}
+                    "usage": _usage(last.usage, original_tokens)}
 
         async def events() -> AsyncIterator[str]:
             head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -444,7 +491,7 @@ def create_app(get_backend: Callable[[], GrpcBackend], metrics: Callable[[], tup
                     yield _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs_obj([msg]),
                                                      "finish_reason": msg.finish_reason or None}]})
                 if body.include_usage_in_stream() and last is not None:
-                    yield _sse({**head, "choices": [], "usage": _usage(last.usage)})
+                    yield _sse({**head, "choices": [], "usage": _usage(last.usage, original_tokens)})
             except grpc.aio.AioRpcError as e:
                 yield _sse(APIError.from_grpc(e).body())
             yield "data: [DONE]\n\n"
@@ -517,14 +564,26 @@ async def _merge(streams: list[AsyncIterator[llm_pb2.GenerateResponse]]):
             t.cancel()
 
 
-def _attach_compression(req: llm_pb2.GenerateRequest, options: Any) -> None:
-    """Copy validated compression options onto the gRPC request (field added by kvmesh.compress)."""
-    if not hasattr(req, "compression"):
-        raise APIError(400, "prompt compression is not available in this build; remove compression",
-                       param="compression")
-    from kvmesh.compress import options_to_proto  # noqa: PLC0415
+async def _compress_messages(messages: list[ChatMessage], options: Any, tokenizer) -> list[ChatMessage]:
+    """Compress the `<context>...</context>` spans of each chat message (off the event
+    loop: the compressors run models). Messages without spans are unchanged."""
+    from kvmesh.compress import OPEN, compress_prompt
+    from kvmesh.errors import InvalidRequestError
 
-    req.compression.CopyFrom(options_to_proto(options))
+    if not any(OPEN in m.text() for m in messages):
+        raise APIError(400, f"compression: no message has a {OPEN}...</context> span to compress; mark the "
+                            "retrieved context or drop compression", param="compression")
+    out = []
+    for m in messages:
+        text = m.text()
+        if OPEN in text:
+            try:
+                result = await asyncio.to_thread(compress_prompt, text, options, tokenizer=tokenizer)
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), param=getattr(e, "field", "compression")) from None
+            m = ChatMessage(role=m.role, content=result.text)
+        out.append(m)
+    return out
 
 
 def serve_http_in_thread(app: FastAPI, host: str, port: int):

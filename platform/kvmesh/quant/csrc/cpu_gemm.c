@@ -157,6 +157,7 @@ INLINE float dot(const float* a, const float* b, int64_t n) {
 int kvm_int4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const uint16_t* s,
                   const uint16_t* o, int32_t mode, int64_t G, int64_t N, float* y) {
     const int64_t ng = K / G, hg = G / 2, K2 = K / 2;
+    if (M == 0 || N == 0) return 0;
     float* scratch = (float*)malloc(sizeof(float) * (size_t)(M * K + M * ng));
     if (scratch == NULL) return -1;
     float *xe = scratch, *xo = scratch + M * K2, *xs = scratch + M * K;
