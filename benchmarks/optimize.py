@@ -69,7 +69,7 @@ class Settings:
     draft_layers: int
 
 
-FULL = Settings(steps=120, draft_steps=120, batch_size=4, seq_len=128, lr=2e-4, top_k=64, calibration_windows=16,
+FULL = Settings(steps=100, draft_steps=80, batch_size=4, seq_len=128, lr=2e-4, top_k=64, calibration_windows=16,
                 calibration_seq_len=256, eval_tokens=1024, decode_tokens=48, repeats=3, spec_prompts=4,
                 spec_tokens=64, draft_layers=6)
 QUICK = Settings(steps=3, draft_steps=3, batch_size=2, seq_len=32, lr=2e-4, top_k=16, calibration_windows=2,

@@ -115,6 +115,8 @@ def serving_config_from_args(args):
         data["decode"] = {**data["decode"], "replicas": args.decode_replicas, "autoscaling": None}
     if args.pd_threshold_tokens is not None:
         data["router"]["config"]["pd_threshold_tokens"] = args.pd_threshold_tokens
+    if args.otlp_endpoint:
+        data["tracing"]["otlp_endpoint"] = args.otlp_endpoint
     return ServingConfig.model_validate(data)
 
 
@@ -178,6 +180,9 @@ def _serve_local(args) -> int:
     router_args = ["--pd-threshold-tokens", str(256 if args.pd_threshold_tokens is None else args.pd_threshold_tokens)]
     if args.http_port is not None:
         router_args += ["--http-port", str(args.http_port)]
+    if args.otlp_endpoint:
+        router_args += ["--otlp-endpoint", args.otlp_endpoint]
+        engine_args += ["--otlp-endpoint", args.otlp_endpoint]
     return serve_local(engine_args, args.host or "127.0.0.1", 50051 if args.port is None else args.port,
                        router_args, args.transfer_ttl, args.model)
 
@@ -230,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pd-threshold-tokens", type=int, default=None,
                    help="prompts with fewer uncached tokens skip prefill/decode disaggregation (default 256)")
     s.add_argument("--transfer-ttl", type=float, default=30.0, help="seconds prefilled KV waits for its decode")
+    s.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry traces (OTLP/gRPC); default off")
     _add_engine_args(s)
     s.set_defaults(func=cmd_serve)
     q = sub.add_parser("quantize", help="write an int8 / int4 quantized copy of a checkpoint folder")

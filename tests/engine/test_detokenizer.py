@@ -1,4 +1,4 @@
-from conftest import build_tokenizer
+from tiny_models import build_tokenizer
 
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.sampling_params import SamplingParams

@@ -128,7 +128,7 @@ def test_redis_killed_and_restarted_mid_run(long_model, redis_server):
 
 
 def test_maxmemory_reached(long_model):
-    from conftest import RedisServer
+    from redis_procs import RedisServer
 
     server = RedisServer(maxmemory="2mb")  # a few dozen blocks of this model
     try:

@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-SHARED_K8S = ROOT.parent / "shared" / "k8s"
-CRD_FILE = ROOT / "helm" / "kvmesh" / "crds" / "llmservices.yaml"
+from k8s_helpers import CRD_FILE, ROOT, SHARED_K8S, find_tool  # noqa: F401
 
 # The status timer's interval is read when kvmesh_operator.handlers is imported.
 os.environ.setdefault("KVMESH_STATUS_INTERVAL_S", "0.3")
@@ -36,9 +34,3 @@ def rayservice_schema() -> dict:
 def llmservice_schema() -> dict:
     crd = yaml.safe_load(CRD_FILE.read_text())
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-
-
-def find_tool(name: str) -> str | None:
-    """helm / kubectl: PATH, then scripts/install_helm.sh's .tools/bin."""
-    return shutil.which(name) or next(
-        (str(p) for p in [ROOT / ".tools" / "bin" / name] if p.exists()), None)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CRD_FILE, ROOT
-from helpers import validate_builtin, validate_schema
+from k8s_helpers import CRD_FILE, ROOT
+from k8s_helpers import validate_builtin, validate_schema
 from kvmesh_operator.crd import render_yaml
 from kvmesh_operator.spec import parse_spec, to_serving_config
 

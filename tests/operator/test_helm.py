@@ -10,8 +10,8 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import CRD_FILE, ROOT, find_tool
-from helpers import validate_builtin
+from k8s_helpers import CRD_FILE, ROOT, find_tool
+from k8s_helpers import validate_builtin
 
 CHART = ROOT / "helm" / "kvmesh"
 OPERATOR_RULES = {

@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from helpers import validate_builtin, validate_schema
+from k8s_helpers import validate_builtin, validate_schema
 from kvmesh.serve.config import ServingConfig
 from kvmesh_operator.render import Defaults, Target, render_all
 from kvmesh_operator.spec import parse_spec

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from k8s_helpers import ROOT
 from kvmesh.serve.config import ServingConfig
 from kvmesh_operator.spec import SpecError, parse_quantity, parse_spec, ray_cpus, to_serving_config
 

@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import build_tokenizer
+from tiny_models import build_tokenizer
 from kvmesh.optimize.corpus import SPLITS, _norm, _paragraphs, split_documents, token_windows
 
 

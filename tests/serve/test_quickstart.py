@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import start_serve, stop_serve
+from serve_procs import start_serve, stop_serve
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import yaml
 
-from conftest import free_port, run_kvmesh, start_serve, stop_serve
+from serve_procs import free_port, run_kvmesh, start_serve, stop_serve
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
 
 PROMPTS = ["The quick brown fox", "Paged attention stores keys", "Continuous batching admits"]

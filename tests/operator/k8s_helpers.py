@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any, Iterable
 
 import jsonschema
 import kubernetes_validate
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED_K8S = ROOT.parent / "shared" / "k8s"
+CRD_FILE = ROOT / "helm" / "kvmesh" / "crds" / "llmservices.yaml"
+
+
+def find_tool(name: str) -> str | None:
+    """helm / kubectl: PATH, then scripts/install_helm.sh's .tools/bin."""
+    return shutil.which(name) or next(
+        (str(p) for p in [ROOT / ".tools" / "bin" / name] if p.exists()), None)
+
 
 K8S_VERSION = "1.35.0"  # the kubectl the tests install is v1.35
 BUILTIN_KINDS = {"ConfigMap", "Service", "Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",

@@ -1,0 +1,87 @@
+"""Tiny random Llama-family checkpoints (transformers' own save_pretrained) plus a small
+byte-level BPE tokenizer trained on the fly, for the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching admits new requests at every step.",
+    "Prefix caching reuses blocks whose tokens were computed before.",
+    "Émigré café naïve coöperate — multi-byte characters: 日本語, 🙂, ünïcödé.",
+] * 4
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def build_tiny_model(
+    path: Path,
+    *,
+    vocab_size: int = 384,
+    hidden_size: int = 64,
+    num_layers: int = 3,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    qkv_bias: bool = False,
+    architecture: str = "llama",
+    max_position_embeddings: int = 512,
+    rope_scaling: dict | None = None,
+    seed: int = 0,
+) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if architecture == "qwen2":
+        cfg = Qwen2Config(**common)
+        model = Qwen2ForCausalLM(cfg)
+    else:
+        if rope_scaling:
+            common["rope_scaling"] = rope_scaling
+        cfg = LlamaConfig(attention_bias=qkv_bias, **common)
+        model = LlamaForCausalLM(cfg)
+    # Larger-than-default init so logits are spread out and greedy ties are unlikely.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif "bias" in str(p.shape):
+                pass
+    model.save_pretrained(path)
+    build_tokenizer(vocab_size).save_pretrained(path)
+    return path
