@@ -21,7 +21,6 @@ gRPC, which streams tokens and KV blocks without Ray object-store copies.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
