@@ -90,16 +90,13 @@ def _changed_engine_flags(args) -> dict:
 
 def serving_config_from_args(args):
     """`kvmesh serve` flags (+ --config FILE) -> ServingConfig."""
-    from kvmesh.config import EngineConfig
     from kvmesh.serve.config import ServingConfig
 
     cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
     data = cfg.model_dump()
     overrides = _changed_engine_flags(args)
     if overrides:
-        flat = {**data["engine"]["model"], **data["engine"]["cache"], **data["engine"]["scheduler"],
-                **{k: v for k, v in data["engine"].items() if k not in ("model", "cache", "scheduler")}}
-        data["engine"] = EngineConfig.from_kwargs(**{**flat, **overrides}).model_dump()
+        data["engine"] = cfg.engine.with_overrides(**overrides).model_dump()
     if args.host is not None:
         data["host"] = args.host
     if args.port is not None:

@@ -132,6 +132,15 @@ class EngineConfig(_Base):
             raise ValueError("model.dtype: float16 is not supported on CPU; use float32 or bfloat16")
         return self
 
+    def with_overrides(self, **overrides: Any) -> "EngineConfig":
+        """A copy with flat keyword overrides (`max_num_seqs=8`, `kv_store=...`), validated
+        like `from_kwargs`."""
+        if not overrides:
+            return self
+        flat = {**self.model.model_dump(), **self.cache.model_dump(), **self.scheduler.model_dump(),
+                **{k: getattr(self, k) for k in type(self).model_fields if k not in ("model", "cache", "scheduler")}}
+        return type(self).from_kwargs(**{**flat, **overrides})
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         """Build from flat keyword arguments (`LLM(model=..., block_size=16, ...)`)."""

@@ -161,13 +161,8 @@ class ServingConfig(_Base):
             base["kv_store"] = self.kv_store.url()
         base["kv_store_ttl_s"] = self.kv_store.ttl_s
         cfg = EngineConfig(**base)
-        overrides = self.roles()[role].engine_overrides
-        if not overrides:
-            return cfg
-        flat = {**cfg.model.model_dump(), **cfg.cache.model_dump(), **cfg.scheduler.model_dump()}
-        top = {k: v for k, v in cfg.model_dump().items() if k not in ("model", "cache", "scheduler")}
         try:
-            return EngineConfig.from_kwargs(**{**flat, **top, **overrides})
+            return cfg.with_overrides(**self.roles()[role].engine_overrides)
         except ValueError as e:
             raise ValueError(f"{role}.engine_overrides: {e}") from e
 
