@@ -7,6 +7,7 @@ kills the decode worker runs last.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -147,8 +148,13 @@ def test_client_cancel_and_deadline_free_blocks_on_both_workers(cluster):
             assert n == 3
             await wait_idle([p, d])
             # A deadline shorter than the generation: DEADLINE_EXCEEDED, then idle again.
+            # The deadline is a third of this machine's time for the whole generation.
+            t0 = time.monotonic()
+            await collect(stub.Generate(_gen(_prompt(40, 4), max_tokens=200, **GREEDY)))
+            deadline = (time.monotonic() - t0) / 3
+            await wait_idle([p, d])
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await collect(stub.Generate(_gen(_prompt(40, 4), max_tokens=200, **GREEDY), timeout=0.4))
+                await collect(stub.Generate(_gen(_prompt(40, 4), max_tokens=200, **GREEDY), timeout=deadline))
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await wait_idle([p, d])
 

@@ -74,3 +74,12 @@ def test_reference_torch_backend(model_factory):
 def test_block_size_one_and_large(model_factory):
     _check(model_factory(), dict(block_size=1, num_blocks=1024))
     _check(model_factory(), dict(block_size=64, num_blocks=16))
+
+
+def test_pytorch_reference_ops(model_factory, monkeypatch):
+    # The model's own PyTorch ops (RMSNorm, RoPE, SiLU-and-mul), not csrc/fused_ops.cpp:
+    # the path every non-CPU device takes.
+    import kvmesh.models.llama as llama
+
+    monkeypatch.setattr(llama, "fused", lambda x: False)
+    _check(model_factory(tie_word_embeddings=True), dict(block_size=4, num_blocks=256, attention_backend="torch"))

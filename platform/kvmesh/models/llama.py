@@ -17,6 +17,7 @@ from torch import nn
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.rope import RotaryEmbedding, apply_rope
 from kvmesh.worker.attention import AttentionBackend, AttentionMetadata
+from kvmesh.worker.cpu_kernels import fused
 from kvmesh.worker.ops import Linear
 
 
@@ -52,9 +53,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused(x) and x.dim() == 2:
+            return torch.ops.kvmesh.rms_norm(x, self.weight, self.eps)
         # Normalize in float32 like the reference; the weight multiplies in model dtype.
         var = x.float().pow(2).mean(-1, keepdim=True)
         return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+    def add_forward(self, residual: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + update, norm(residual + update)): one op on CPU."""
+        if fused(residual) and residual.dim() == 2:
+            return torch.ops.kvmesh.add_rms_norm(residual, update, self.weight, self.eps)
+        h = residual + update
+        return h, self(h)
 
 
 class LlamaAttention(nn.Module):
@@ -69,10 +79,14 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # (T, H, D)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # (T, KVH, D)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if fused(qkv):
+            q, k, v = torch.ops.kvmesh.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # (T, H, D)
+            k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # (T, KVH, D)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -86,7 +100,10 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = i
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused(gate_up):
+            return self.down_proj(torch.ops.kvmesh.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -99,8 +116,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, h, cos, sin, kv_cache, meta, backend):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
+        h, x = self.post_attention_layernorm.add_forward(h, a)
+        return h + self.mlp(x)
 
 
 class LlamaModel(nn.Module):

@@ -31,19 +31,23 @@ NATIVE_MAX_ROWS = 32
 
 
 def use_native(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.shape[0] <= NATIVE_MAX_ROWS and native.get_lib() is not None
+    return x.shape[0] <= NATIVE_MAX_ROWS and x.device.type == "cpu" and native.get_lib() is not None
+
+
+def _as_f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (M, K) float, qweight (N, K) int8, scales float32 (N,) or (N, K / G) -> (M, N) in x.dtype."""
     m, k = x.shape
     g = k if scales.dim() == 1 else k // scales.shape[1]
-    if use_native(x) and k % 16 == 0 and g % 16 == 0:
-        xf = x.to(torch.float32).contiguous()
+    if k % 16 == 0 and g % 16 == 0 and use_native(x):
+        xf = _as_f32(x)
         y = torch.empty(m, qweight.shape[0], dtype=torch.float32)
         native.get_lib().kvm_int8_gemm(xf.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), g,
                                        qweight.shape[0], y.data_ptr())
-        return y.to(x.dtype)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
     return linear(x, dequantize_int8(qweight, scales, x.dtype))
 
 
@@ -55,12 +59,12 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, of
     """
     m, k = x.shape
     g = k // scales.shape[1]
-    if use_native(x) and g % 32 == 0:
-        xf = x.to(torch.float32).contiguous()
+    if g % 32 == 0 and use_native(x):
+        xf = _as_f32(x)
         y = torch.empty(m, qweight.shape[0], dtype=torch.float32)
         rc = native.get_lib().kvm_int4_gemm(xf.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(),
                                             offsets.data_ptr(), int(mins), g, qweight.shape[0], y.data_ptr())
         if rc != 0:
             raise MemoryError("kvmesh int4 kernel: out of memory for its activation scratch buffer")
-        return y.to(x.dtype)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
     return linear(x, dequantize_int4(unpack_int4(qweight), scales, offsets, x.dtype, mins))

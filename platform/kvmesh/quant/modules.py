@@ -38,6 +38,7 @@ class QuantLinear(nn.Module):
         self.device = torch.device(device)
         self._loaded: set[str] = set()
         self._bias_loaded: set[str] = set()
+        self._fast: tuple | None = None  # see _forward_args
         for name in ("qweight", "scales", "zeros", "mins", "bias", "perm"):
             self.register_buffer(name, None)
 
@@ -56,6 +57,7 @@ class QuantLinear(nn.Module):
     def load(self, tensors: dict[str, torch.Tensor], shard: str | None = None) -> None:
         """Copy one checkpoint module's canonical tensors into this module's rows."""
         start, size = self._rows(shard)
+        self._fast = None
         for name, t in tensors.items():
             if name == "perm":
                 self._load_perm(t)
@@ -75,6 +77,7 @@ class QuantLinear(nn.Module):
         self._loaded.add(shard or "")
 
     def _load_perm(self, perm: torch.Tensor) -> None:
+        self._fast = None
         perm = perm.to(device=self.device, dtype=torch.long)
         if self.perm is not None and not torch.equal(self.perm, perm):
             raise ValueError("g_idx: shards of one fused module have different act-order permutations; "
@@ -83,6 +86,7 @@ class QuantLinear(nn.Module):
 
     def load_bias(self, bias: torch.Tensor, shard: str | None = None) -> None:
         start, size = self._rows(shard)
+        self._fast = None
         if self.bias is None:
             self.bias = torch.zeros(self.out_features, dtype=torch.float32, device=self.device)
         self.bias.narrow(0, start, size).copy_(bias)
@@ -107,6 +111,18 @@ class QuantLinear(nn.Module):
                 setattr(self, name, getattr(self, name).to(torch.float16).contiguous())
         if self.bias is not None:
             self.bias = self.bias.to(dtype)
+        self._fast = None
+
+    def _apply(self, fn, recurse=True):  # .to() / .half() replace the buffers: re-read them
+        self._fast = None
+        return super()._apply(fn, recurse)
+
+    def _forward_args(self) -> tuple:
+        """The forward's tensors as one plain tuple: buffer reads through nn.Module's
+        __getattr__ cost ~0.4 us each, a noticeable share of a decode-sized matmul."""
+        offsets = self._offsets()
+        return (self.scheme == "int8", self.qweight, self.scales, offsets, self.mins is not None, self.perm,
+                self.bias)
 
     def _dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                     dtype: torch.dtype) -> torch.Tensor:
@@ -131,13 +147,14 @@ class QuantLinear(nn.Module):
         return self.zeros if self.zeros is not None else self.mins
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.perm is not None:
-            x = x.index_select(-1, self.perm)
-        if self.scheme == "int8":
-            y = int8_matmul(x, self.qweight, self.scales)
-        else:
-            y = int4_matmul(x, self.qweight, self.scales, self._offsets(), self.mins is not None)
-        return y if self.bias is None else y + self.bias
+        args = self.__dict__.get("_fast")
+        if args is None:
+            args = self._fast = self._forward_args()
+        is_int8, qweight, scales, offsets, mins, perm, bias = args
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        y = int8_matmul(x, qweight, scales) if is_int8 else int4_matmul(x, qweight, scales, offsets, mins)
+        return y if bias is None else y + bias
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size()

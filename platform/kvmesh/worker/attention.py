@@ -123,8 +123,10 @@ class TorchAttentionBackend:
         # that hit blocks registered this step) read them below.
         k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == q.shape[0] and not meta.prefills:  # an all-decode step: no scatter into `out`
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         for s, table, mask in zip(meta.prefills, meta.prefill_block_tables, meta.prefill_masks):

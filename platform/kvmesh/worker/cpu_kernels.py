@@ -18,6 +18,8 @@ import torch
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
+# csrc/fused_ops.cpp: the decoder's element-wise ops, one dispatch each.
+FUSED_OPS = ("rms_norm", "add_rms_norm", "rope_qkv", "silu_and_mul")
 
 
 def load() -> bool:
@@ -30,10 +32,10 @@ def load() -> bool:
             try:
                 from torch.utils.cpp_extension import load as build
 
-                src = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+                csrc = Path(__file__).parent / "csrc"
                 build(
                     name="kvmesh_cpu_kernels",
-                    sources=[str(src)],
+                    sources=[str(csrc / "paged_attention.cpp"), str(csrc / "fused_ops.cpp")],
                     # Reassociation lets gcc vectorize the dot-product reductions.
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math",
                                   "-fno-signed-zeros", "-fno-trapping-math"],
@@ -41,8 +43,17 @@ def load() -> bool:
                     is_python_module=False,
                     verbose=False,
                 )
-                ok = hasattr(torch.ops.kvmesh, "paged_decode_attention")
+                ok = all(hasattr(torch.ops.kvmesh, op) for op in ("paged_decode_attention", *FUSED_OPS))
             except Exception as exc:  # no compiler, headers, ...: use the torch path
                 logger.warning("kvmesh CPU kernels unavailable (%s); using the PyTorch path", exc)
         _state["ok"] = ok
         return ok
+
+
+def fused(x: torch.Tensor) -> bool:
+    """Whether the model should use the fused ops of csrc/fused_ops.cpp for `x`
+    (a CPU tensor, kernels built); otherwise it runs the PyTorch reference ops."""
+    if x.device.type != "cpu":
+        return False
+    ok = _state.get("ok")  # lock-free after the first call: this runs per op
+    return load() if ok is None else ok
