@@ -176,9 +176,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
             target, shard = name, None
-            for ckpt, (fused, shard_id) in self.packed_modules.items():
+            for ckpt, (merged, shard_id) in self.packed_modules.items():
                 if f".{ckpt}." in name:
-                    target, shard = name.replace(f".{ckpt}.", f".{fused}."), shard_id
+                    target, shard = name.replace(f".{ckpt}.", f".{merged}."), shard_id
                     break
             param = params.get(target)
             if param is None:
