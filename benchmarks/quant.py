@@ -15,9 +15,11 @@ peak RSS is that method's alone) and measures:
   (kvmesh.quant.quality.license_text);
 * three greedy chat generations, to show the text stays sensible.
 
-Run on idle cores (the script prints /proc/loadavg and warns when busy)::
+Speeds are medians of ``--repeats`` (5) timed runs after a warm-up. Run on idle cores
+(the script prints /proc/loadavg and marks a busy run; ``--wait-idle S`` waits up to S
+seconds for the load to settle first)::
 
-    python benchmarks/quant.py              # full run, several minutes on 2 cores
+    python benchmarks/quant.py --wait-idle 180   # full run, ~2 minutes on 2 cores
     python benchmarks/quant.py --smoke      # tiny settings, writes quant_smoke.*
 
 Results: benchmarks/results/quant.{json,md,png} (quant_smoke.* for --smoke).
@@ -82,11 +84,13 @@ def _decode(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def _prefill(llm, prompt_len: int) -> float:
+def _prefill(llm, prompt_len: int, run: int = 0) -> float:
     from kvmesh.engine.sampling_params import SamplingParams
 
     eng = llm.engine
-    eng.add_request("p", list(range(200, 200 + prompt_len)), SamplingParams(max_tokens=1, ignore_eos=True))
+    # A distinct first token per run: a repeat must not hit the prefix cache.
+    ids = [3000 + run, *range(200, 199 + prompt_len)]
+    eng.add_request(f"p{run}", ids, SamplingParams(max_tokens=1, ignore_eos=True))
     t0 = time.perf_counter()
     eng.step()
     dt_s = time.perf_counter() - t0
@@ -95,7 +99,11 @@ def _prefill(llm, prompt_len: int) -> float:
     return prompt_len / dt_s
 
 
-def run_one(name: str, smoke: bool, threads: int) -> dict:
+def _median(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2]
+
+
+def run_one(name: str, smoke: bool, threads: int, repeats: int = 5) -> dict:
     """Child process: everything for one method, as a JSON-able dict."""
     import torch
 
@@ -111,9 +119,12 @@ def run_one(name: str, smoke: bool, threads: int) -> dict:
               max_num_batched_tokens=1024, max_model_len=2048)
     res = {"method": name, "load_s": time.perf_counter() - t0, "weight_bytes": weight_bytes(llm.engine.model)}
     new = 8 if smoke else 64
-    res["decode_b1_tok_s"] = _decode(llm, 1, 32, new)
-    res["decode_b16_tok_s"] = _decode(llm, 16, 32, new // 2 if smoke else 32)
-    res["prefill_tok_s"] = _prefill(llm, 64 if smoke else 512)
+    _decode(llm, 1, 32, 8)  # warm-up: first-call allocations and thread-pool start
+    samples = {"decode_b1_tok_s": [_decode(llm, 1, 32, new) for _ in range(repeats)],
+               "decode_b16_tok_s": [_decode(llm, 16, 32, new // 2 if smoke else 32) for _ in range(repeats)],
+               "prefill_tok_s": [_prefill(llm, 64 if smoke else 512, i) for i in range(repeats)]}
+    res.update({k: _median(v) for k, v in samples.items()})
+    res["samples"] = samples
     ids, source = eval_tokens(llm.tokenizer, 128 if smoke else 1024)
     res["perplexity"], res["ppl_text"] = perplexity(llm.engine, ids), source
     prompts = [llm.engine.encode_chat([{"role": "user", "content": c}]) for c in CHAT]
@@ -138,7 +149,8 @@ def _markdown(rows: list[dict], meta: dict) -> str:
             f"| {r['peak_rss_mib']:.0f} | {r['decode_b1_tok_s']:.1f} | {r['decode_b1_tok_s'] / fp['decode_b1_tok_s']:.2f}x "
             f"| {r['decode_b16_tok_s']:.1f} | {r['prefill_tok_s']:.0f} | {r['perplexity']:.3f} "
             f"| {100 * (r['perplexity'] / fp['perplexity'] - 1):+.2f}% |")
-    lines += ["", f"Perplexity text: {fp['ppl_text']}.", "", "Targets:"]
+    lines += ["", f"Speeds are medians of {meta.get('repeats', 1)} runs per method. "
+              f"Perplexity text: {fp['ppl_text']}.", "", "Targets:"]
     for name, t in TARGETS.items():
         r = next((x for x in rows if x["method"] == name), None)
         if r:
@@ -183,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {list(METHODS)}")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
+    p.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
+                   help=f"wait up to S seconds for the 1-minute load average to fall below {IDLE_LOAD}")
     p.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one method, JSON on stdout
     args = p.parse_args(argv)
     if args.one:
-        print("RESULT " + json.dumps(run_one(args.one, args.smoke, args.threads)))
+        print("RESULT " + json.dumps(run_one(args.one, args.smoke, args.threads, args.repeats)))
         return 0
     from tqdm import tqdm
 
@@ -196,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--methods: unknown {n!r}; valid: {list(METHODS)}")
     if "fp32" not in names:
         names.insert(0, "fp32")
+    waited = 0.0
+    while loadavg() > IDLE_LOAD and waited < args.wait_idle:
+        time.sleep(5)
+        waited += 5
     start = loadavg()
     print(f"load average (1 min): {start:.2f}  | cores: {os.cpu_count()}  | torch threads: {args.threads}")
     if start > IDLE_LOAD:
@@ -203,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     rows = []
     for name in tqdm(names, desc="methods", unit="method"):
-        cmd = [sys.executable, __file__, "--one", name, "--threads", str(args.threads)] + (["--smoke"] if args.smoke else [])
+        cmd = [sys.executable, __file__, "--one", name, "--threads", str(args.threads), "--repeats", str(args.repeats)]
+        cmd += ["--smoke"] if args.smoke else []
         r = subprocess.run(cmd, capture_output=True, text=True)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if r.returncode != 0 or line is None:
@@ -212,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(json.loads(line[7:]))
     end = loadavg()
     meta = {"model": "SmolLM2-135M-Instruct (embedded)", "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "cpu": cpu_model(), "threads": args.threads, "load_start": start, "load_end": end,
-            "idle": start <= IDLE_LOAD and end <= IDLE_LOAD + 1.0, "smoke": args.smoke}
+            "cpu": cpu_model(), "threads": args.threads, "load_start": start, "load_end": end, "repeats": args.repeats,
+            # The end load includes this run's own threads.
+            "idle": start <= IDLE_LOAD and end <= args.threads + IDLE_LOAD, "smoke": args.smoke}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = "quant_smoke" if args.smoke else "quant"
     (args.out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
