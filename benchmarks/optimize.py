@@ -5,8 +5,9 @@ Rows (each measured with the kvmesh engine, fp32, batch 1):
 * original;
 * pruned to 75% and to 50% of the parameters (``kvmesh optimize prune --target-params``:
   least-influential layers for half of the cut, Wanda-ranked MLP channels for the rest);
-* each pruned model distilled from the original (KL on the teacher's top-k logits,
-  cached once and shared by all students, over the corpus "train" split).
+* each pruned model distilled from the original (KL at temperature 1 on the teacher's
+  top-k logits, cached once and shared by both students, over windows spread across the
+  corpus "train" split).
 
 Columns: parameters; decode tokens/s at batch 1 (median over repeats); perplexity on
 two held-out texts: the first 1,024 tokens of CPython's LICENSE.txt (the text of
@@ -15,8 +16,10 @@ never seen in calibration or training). Target: distillation recovers at least h
 of the perplexity pruning lost: (ppl_pruned - ppl_distilled) / (ppl_pruned - ppl_orig) >= 0.5.
 
 Draft models for speculative decoding of the original (k=4, greedy chat prompts, batch
-1): the plain first-K-layers truncation vs the same truncation distilled; acceptance
-rate, tokens/s and speedup vs no speculation, and a check that the text is identical.
+1): the plain first-K-layers truncation vs the same truncation distilled on the
+teacher's own greedy replies to chat instructions built from the train split
+(``--data chat``, kvmesh.optimize.generate); acceptance rate, tokens/s and speedup vs
+no speculation, and a check that the text is identical.
 
 Run on idle cores (prints the 1-minute load average beside the timings)::
 
@@ -67,14 +70,16 @@ class Settings:
     spec_prompts: int
     spec_tokens: int
     draft_layers: int
+    chat_prompts: int  # the draft's training data: the teacher's replies to this many instructions
+    chat_max_tokens: int
 
 
 FULL = Settings(steps=100, draft_steps=80, batch_size=4, seq_len=128, lr=2e-4, top_k=64, calibration_windows=16,
                 calibration_seq_len=256, eval_tokens=1024, decode_tokens=48, repeats=3, spec_prompts=4,
-                spec_tokens=64, draft_layers=6)
+                spec_tokens=64, draft_layers=6, chat_prompts=256, chat_max_tokens=96)
 QUICK = Settings(steps=3, draft_steps=3, batch_size=2, seq_len=32, lr=2e-4, top_k=16, calibration_windows=2,
                  calibration_seq_len=64, eval_tokens=96, decode_tokens=6, repeats=1, spec_prompts=1,
-                 spec_tokens=8, draft_layers=2)
+                 spec_tokens=8, draft_layers=2, chat_prompts=4, chat_max_tokens=8)
 
 
 def loadavg() -> float:
@@ -179,14 +184,18 @@ def build_models(src: Path, work: Path, s: Settings, threads: int, bar) -> dict[
         paths[name] = prune_checkpoint(src, work / name, resolve_shape(cfg, f"{pct}%"), calib, progress=False).out
         timings[f"prune {name}"] = time.perf_counter() - t0
         bar.update(1)
-    jobs = [(f"{n}+distilled", str(paths[n]), s.steps) for n in ("pruned-25%", "pruned-50%")]
-    jobs.append((f"first-{s.draft_layers}+distilled", f"first-layers:{s.draft_layers}", s.draft_steps))
-    for name, student, steps in jobs:
+    # Pruned students learn the corpus (their quality is measured on held-out text); the
+    # draft learns the teacher's own chat replies (it is measured on chat prompts).
+    jobs = [(f"{n}+distilled", str(paths[n]), s.steps, "corpus") for n in ("pruned-25%", "pruned-50%")]
+    jobs.append((f"first-{s.draft_layers}+distilled", f"first-layers:{s.draft_layers}", s.draft_steps, "chat"))
+    for name, student, steps, data in jobs:
         bar.set_postfix_str(f"distill {name}")
         dc = DistillConfig(steps=steps, lr=s.lr, batch_size=s.batch_size, seq_len=s.seq_len, teacher_top_k=s.top_k,
-                           checkpoint_every=max(steps // 2, 1), threads=threads)
+                           checkpoint_every=max(steps // 2, 1), threads=threads, data=data,
+                           chat_prompts=s.chat_prompts, chat_max_tokens=s.chat_max_tokens)
         t0 = time.perf_counter()
-        paths[name] = distill(src, student, work / name, dc, train_windows=train, teacher_cache=cache,
+        paths[name] = distill(src, student, work / name, dc, train_windows=train if data == "corpus" else None,
+                              teacher_cache=cache if data == "corpus" else work / "teacher-topk-chat.pt",
                               progress=True).out
         timings[f"distill {name}"] = time.perf_counter() - t0
         bar.update(1)
@@ -213,7 +222,9 @@ def markdown(res: dict) -> str:
              f"{m['date']}, torch threads {m['threads']}, load avg start/end {m['load_start']:.2f}/"
              f"{m['load_end']:.2f}{busy}{' — QUICK settings' if m['quick'] else ''}; "
              f"distill {m['settings']['steps']} steps x {m['settings']['batch_size']} x {m['settings']['seq_len']} "
-             f"tokens, lr {m['settings']['lr']}, teacher top-{m['settings']['top_k']}", "",
+             f"tokens, lr {m['settings']['lr']}, temperature 1, teacher top-{m['settings']['top_k']}; pruned "
+             f"students on the corpus train split, the draft on the teacher's greedy replies to "
+             f"{m['settings'].get('chat_prompts')} chat instructions ({m['settings']['draft_steps']} steps)", "",
              "| model | params | vs original | decode b1 tok/s | load avg | ppl LICENSE | ppl held-out docs |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     orig = res["models"][0]

@@ -120,3 +120,29 @@ def test_distilled_draft_is_lossless_for_its_teacher(tiny_llama, tmp_path):
     assert got == ref
     assert llm.engine.stats()["spec_proposed_tokens"] > 0
     assert llm.engine.num_free_blocks == llm.engine.num_usable_blocks
+
+
+def test_chat_data_is_the_teachers_greedy_replies(teacher, tmp_path):
+    from kvmesh.optimize.corpus import chat_prompts
+    from kvmesh.optimize.generate import teacher_chat_windows
+
+    cache = tmp_path / "chat.json"
+    kw = dict(num_prompts=3, max_tokens=6, seq_len=SEQ, cache=cache, threads=1, progress=False)
+    windows = teacher_chat_windows(teacher, **kw)
+    assert windows and all(len(w) == SEQ and w[0] == 1 for w in windows)  # BOS + packed stream
+    # The stream is prompt + the teacher's greedy reply (the tiny tokenizer has no chat
+    # template: the instruction as plain text) + EOS, conversation after conversation.
+    llm = LLM(str(teacher), progress=False)
+    prompt = llm.engine.encode(chat_prompts("train", 3)[0])
+    reply = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0].outputs[0].token_ids
+    first = [*prompt, *reply]
+    first += [] if first[-1] == 2 else [2]
+    stream = [t for w in windows for t in w[1:]]
+    assert stream[: min(len(first), len(stream))] == first[: len(stream)]
+    assert teacher_chat_windows(teacher, **kw) == windows  # served from the cache
+    # A run on chat data distils, and --resume settings include the data choice.
+    res = distill(teacher, "first-layers:1", tmp_path / "d", _cfg(data="chat", chat_prompts=3, chat_max_tokens=6,
+                                                                   steps=4), progress=False)
+    assert len(res.losses) == 4
+    with pytest.raises(ConfigError, match="--data"):
+        _cfg(data="web")

@@ -55,7 +55,8 @@ def cmd_distill(args) -> int:
     cfg = DistillConfig(steps=args.steps, temperature=args.temperature, hidden_loss_weight=args.hidden_loss_weight,
                         lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
                         warmup_steps=args.warmup_steps, checkpoint_every=args.checkpoint_every, seed=args.seed,
-                        teacher_top_k=args.teacher_top_k, threads=args.threads)
+                        teacher_top_k=args.teacher_top_k, data=args.data, chat_prompts=args.chat_prompts,
+                        chat_max_tokens=args.chat_max_tokens, threads=args.threads)
     res = distill(_model_path(args.teacher), student, Path(out), cfg, resume=args.resume)
     first = f"{res.losses[0]:.4f}" if res.losses else "?"
     print(f"distilled {res.steps} steps (loss {first} -> {res.losses[-1]:.4f}"
@@ -105,7 +106,7 @@ def add_optimize_parser(sub) -> None:
     d.add_argument("--student", default=None,
                    help="first-layers:K: the teacher's first K layers as the student (then give TEACHER OUT)")
     d.add_argument("--steps", type=_positive_int, required=True, help="optimizer steps")
-    d.add_argument("--temperature", type=float, default=2.0, help="softmax temperature of the KL term")
+    d.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the KL term")
     d.add_argument("--hidden-loss-weight", type=float, default=0.0,
                    help="weight of the hidden-state MSE on matched layers (0 = logits only)")
     d.add_argument("--lr", type=float, default=2e-4, help="peak AdamW learning rate (warmup, cosine decay)")
@@ -115,6 +116,11 @@ def add_optimize_parser(sub) -> None:
     d.add_argument("--checkpoint-every", type=_positive_int, default=50, help="steps between checkpoints")
     d.add_argument("--teacher-top-k", type=int, default=0,
                    help="cache the teacher's top-k logits once (0 = full logits on the fly)")
+    d.add_argument("--data", choices=("corpus", "chat"), default="corpus",
+                   help="training text: the corpus train split, or the teacher's own greedy replies to chat "
+                        "instructions built from it (best for a speculative-decoding draft)")
+    d.add_argument("--chat-prompts", type=_positive_int, default=256, help="with --data chat: instructions")
+    d.add_argument("--chat-max-tokens", type=_positive_int, default=96, help="with --data chat: reply length")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--resume", action="store_true", help="continue from OUT's last checkpoint")
     d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")

@@ -143,24 +143,66 @@ def token_stream(tokenizer, split: str, max_tokens: int | None = None) -> list[i
     return ids
 
 
-def token_windows(tokenizer, split: str, seq_len: int, max_windows: int | None = None) -> list[list[int]]:
+def token_windows(tokenizer, split: str, seq_len: int, max_windows: int | None = None,
+                  spread: bool = True) -> list[list[int]]:
     """Non-overlapping `seq_len`-token windows of the split's token stream (BOS first if any).
 
     Each window starts with BOS (when the tokenizer has one) followed by seq_len - 1
     corpus tokens, so every window looks like the start of a document to the model.
+    With `max_windows` below the split's window count, `spread` picks windows evenly
+    across the whole split (every topic and module contributes); otherwise the first
+    ones (a few neighbouring documents, cheaper to tokenize).
     """
     if seq_len < 2:
         raise ValueError(f"seq_len: {seq_len} is too short; use at least 2 tokens")
     bos = tokenizer.bos_token_id
     body = seq_len - (1 if bos is not None else 0)
-    limit = None if max_windows is None else max_windows * body
-    ids = token_stream(tokenizer, split, limit)
+    limit = None if max_windows is None or spread else max_windows * body
+    return pack_windows(token_stream(tokenizer, split, limit), seq_len, bos, max_windows, split)
+
+
+def pack_windows(ids: list[int], seq_len: int, bos: int | None, max_windows: int | None = None,
+                 what: str = "the token stream") -> list[list[int]]:
+    """Cut `ids` into seq_len windows (BOS + seq_len - 1 tokens when `bos`); at most
+    `max_windows`, evenly spaced over the stream."""
+    body = seq_len - (1 if bos is not None else 0)
     windows = [ids[i:i + body] for i in range(0, len(ids) - body + 1, body)]
     if bos is not None:
         windows = [[bos, *w] for w in windows]
     if not windows:
-        raise ValueError(f"corpus split {split!r} has fewer than {seq_len} tokens; lower seq_len")
-    return windows[:max_windows]
+        raise ValueError(f"corpus split {what!r} has fewer than {seq_len} tokens; lower seq_len")
+    if max_windows is not None and max_windows < len(windows):
+        windows = [windows[i * len(windows) // max_windows] for i in range(max_windows)]
+    return windows
+
+
+# Instructions for teacher-generated chat data (optimize/generate.py), filled with a
+# paragraph of the split: the replies are the teacher's own assistant-style text.
+CHAT_TEMPLATES = (
+    "Explain the following in simple terms:\n\n{p}",
+    "Summarize this in one or two sentences:\n\n{p}",
+    "What is the main point of this text?\n\n{p}",
+    "Rewrite this paragraph so that a beginner can follow it:\n\n{p}",
+    "Give a short example that illustrates this:\n\n{p}",
+    "List the key facts in this passage:\n\n{p}",
+)
+
+
+def _is_prose(paragraph: str) -> bool:
+    text = " ".join(paragraph.split())
+    letters = sum(c.isalpha() or c == " " for c in text)
+    return 120 <= len(text) <= 600 and letters >= 0.85 * len(text) and not paragraph.lstrip().startswith(">>>")
+
+
+def chat_prompts(split: str, n: int) -> list[str]:
+    """`n` deterministic user instructions about prose paragraphs of `split`, evenly spread
+    over its documents, cycling through CHAT_TEMPLATES."""
+    paras = [" ".join(p.split()) for d in split_documents(split) for p in _paragraphs(d.text) if _is_prose(p)]
+    if not paras:
+        raise ValueError(f"corpus split {split!r} has no prose paragraphs for chat prompts")
+    picked = [paras[i * len(paras) // n] for i in range(n)] if n <= len(paras) else [paras[i % len(paras)]
+                                                                                   for i in range(n)]
+    return [CHAT_TEMPLATES[i % len(CHAT_TEMPLATES)].format(p=p) for i, p in enumerate(picked)]
 
 
 def describe_sources() -> str:
