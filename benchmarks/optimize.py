@@ -23,7 +23,7 @@ no speculation, and a check that the text is identical.
 
 Run on idle cores (prints the 1-minute load average beside the timings)::
 
-    python benchmarks/optimize.py                 # full run, ~25 min on 2 cores
+    python benchmarks/optimize.py                 # full run, ~40 min on 2 cores
     python benchmarks/optimize.py --quick         # smoke settings, writes optimize_quick.*
 
 Results: benchmarks/results/optimize.{json,md,png} (optimize_quick.* for --quick).
@@ -58,6 +58,7 @@ class Settings:
 
     steps: int
     draft_steps: int
+    draft_lr: float
     batch_size: int
     seq_len: int
     lr: float
@@ -74,10 +75,10 @@ class Settings:
     chat_max_tokens: int
 
 
-FULL = Settings(steps=100, draft_steps=80, batch_size=4, seq_len=128, lr=2e-4, top_k=64, calibration_windows=16,
+FULL = Settings(steps=200, draft_steps=200, draft_lr=5e-4, batch_size=4, seq_len=128, lr=2e-4, top_k=64, calibration_windows=16,
                 calibration_seq_len=256, eval_tokens=1024, decode_tokens=48, repeats=3, spec_prompts=4,
                 spec_tokens=64, draft_layers=6, chat_prompts=256, chat_max_tokens=96)
-QUICK = Settings(steps=3, draft_steps=3, batch_size=2, seq_len=32, lr=2e-4, top_k=16, calibration_windows=2,
+QUICK = Settings(steps=3, draft_steps=3, draft_lr=5e-4, batch_size=2, seq_len=32, lr=2e-4, top_k=16, calibration_windows=2,
                  calibration_seq_len=64, eval_tokens=96, decode_tokens=6, repeats=1, spec_prompts=1,
                  spec_tokens=8, draft_layers=2, chat_prompts=4, chat_max_tokens=8)
 
@@ -173,7 +174,7 @@ def build_models(src: Path, work: Path, s: Settings, threads: int, bar) -> dict[
 
     tok, cfg = load_tokenizer(src), load_arch_config(src)
     calib = token_windows(tok, "calibration", s.calibration_seq_len, s.calibration_windows)
-    train = token_windows(tok, "train", s.seq_len, max(s.steps, s.draft_steps) * s.batch_size)
+    train = token_windows(tok, "train", s.seq_len, s.steps * s.batch_size)
     cache = work / "teacher-topk.pt"
     paths: dict[str, Path] = {"original": src}
     timings: dict[str, float] = {}
@@ -190,7 +191,7 @@ def build_models(src: Path, work: Path, s: Settings, threads: int, bar) -> dict[
     jobs.append((f"first-{s.draft_layers}+distilled", f"first-layers:{s.draft_layers}", s.draft_steps, "chat"))
     for name, student, steps, data in jobs:
         bar.set_postfix_str(f"distill {name}")
-        dc = DistillConfig(steps=steps, lr=s.lr, batch_size=s.batch_size, seq_len=s.seq_len, teacher_top_k=s.top_k,
+        dc = DistillConfig(steps=steps, lr=s.lr if data == "corpus" else s.draft_lr, batch_size=s.batch_size, seq_len=s.seq_len, teacher_top_k=s.top_k,
                            checkpoint_every=max(steps // 2, 1), threads=threads, data=data,
                            chat_prompts=s.chat_prompts, chat_max_tokens=s.chat_max_tokens)
         t0 = time.perf_counter()
@@ -224,7 +225,7 @@ def markdown(res: dict) -> str:
              f"distill {m['settings']['steps']} steps x {m['settings']['batch_size']} x {m['settings']['seq_len']} "
              f"tokens, lr {m['settings']['lr']}, temperature 1, teacher top-{m['settings']['top_k']}; pruned "
              f"students on the corpus train split, the draft on the teacher's greedy replies to "
-             f"{m['settings'].get('chat_prompts')} chat instructions ({m['settings']['draft_steps']} steps)", "",
+             f"{m['settings'].get('chat_prompts')} chat instructions ({m['settings']['draft_steps']} steps, lr {m['settings'].get('draft_lr')})", "",
              "| model | params | vs original | decode b1 tok/s | load avg | ppl LICENSE | ppl held-out docs |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     orig = res["models"][0]
