@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"model": "SmolLM2-135M-Instruct (embedded)" if args.model is None else args.model,
             "date": dt.datetime.now().isoformat(timespec="seconds"), "threads": args.threads,
-            "load_start": start, "load_end": end, "idle": start <= IDLE_LOAD and end <= IDLE_LOAD + 1.0,
+            "load_start": start, "load_end": end,
+            "idle": start <= IDLE_LOAD and end <= args.threads + IDLE_LOAD,  # the end load includes our threads
             "quick": args.quick, "settings": s.__dict__, "wall_s": time.perf_counter() - t_start,
             "torch": torch.__version__}
     res = {"meta": meta, "models": rows, "drafts": drafts, "build_timings_s": timings,
