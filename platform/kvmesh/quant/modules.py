@@ -147,7 +147,7 @@ class QuantLinear(nn.Module):
         return self.zeros if self.zeros is not None else self.mins
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        args = self.__dict__.get("_fast")
+        args = self._fast
         if args is None:
             args = self._fast = self._forward_args()
         is_int8, qweight, scales, offsets, mins, perm, bias = args
