@@ -15,7 +15,7 @@ def run_collecting_logits(engine: LLMEngine, prompts, params) -> tuple[dict, dic
     logits = {r: [] for r in rids}
     while engine.has_unfinished():
         sched = engine.scheduler.schedule()
-        out = engine.runner.execute(sched, return_logits=True)
+        out = engine.executor.runner.execute(sched, return_logits=True)
         for rid, lg in out.logits.items():
             logits[rid].append(lg)
         for res in engine.scheduler.update_from_output(sched, out):

@@ -23,9 +23,9 @@ import yaml
 
 from kvmesh.serve.config import ServingConfig
 from kvmesh_operator import GROUP
-from kvmesh_operator.spec import (MODEL_MOUNT, REDIS_PORT, LLMServiceSpec, ResourcesSpec, WorkloadSpec,
-                                  parse_quantity, pvc_claims, ray_cpus, ray_resource, redis_service_name,
-                                  to_serving_config)
+from kvmesh_operator.mapping import REDIS_PORT, pvc_claims, ray_resource, redis_service_name, to_serving_config
+from kvmesh_operator.quantity import parse_quantity, ray_cpus
+from kvmesh_operator.spec import MODEL_MOUNT, LLMServiceSpec, ResourcesSpec, WorkloadSpec
 
 APP_IMPORT_PATH = "kvmesh.serve.app:build"
 GRPC_PORT = 50051
@@ -76,7 +76,7 @@ def _meta(t: Target, name: str, component: str) -> dict[str, Any]:
 
 
 def child_names(name: str) -> dict[str, str]:
-    """Every object the operator may own for LLMService `name`, by kind key (see k8s.KINDS)."""
+    """The name of every object the operator may own for LLMService `name`, by what it is."""
     return {"rayservice": name, "configmap": f"{name}-config", "grpc": f"{name}-grpc",
             "http": f"{name}-http", "redis": redis_service_name(name)}
 

@@ -1,84 +1,35 @@
-"""The typed `LLMService` spec and its mapping onto kvmesh's `ServingConfig`.
+"""The typed `LLMService` spec: pydantic models, validation, and the errors users see.
 
 The CRD's openAPIV3Schema is generated from these models (`kvmesh_operator.crd`), so the
 field names, enums, minimums, defaults and descriptions live here once. Field names are
 the ServingConfig's, in camelCase; where a field mirrors a ServingConfig / EngineConfig
 field its default, bounds and description are copied from there (`_mirror`), so the
-CRD cannot drift from the engine.
+CRD cannot drift from the engine. `mapping` turns a parsed spec into that ServingConfig.
 
     spec = parse_spec(body["spec"])               # SpecError says which field to change
-    cfg = to_serving_config(spec, name=..., namespace=...)   # a validated ServingConfig
 """
 
 from __future__ import annotations
 
-import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvmesh.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvmesh.router.config import RouterConfig, ScorerWeight
 from kvmesh.router.plugins import PLUGINS
-from kvmesh.serve.config import Autoscaling, KVStoreConfig, ServingConfig, TracingConfig
+from kvmesh.serve.config import Autoscaling, KVStoreConfig, TracingConfig
+from kvmesh_operator.quantity import Quantity
 
 MODEL_MOUNT = "/mnt/models"
 """Where `pvc://claim/path` model URIs are mounted in the Ray pods (`<MODEL_MOUNT>/<claim>`)."""
-
-REDIS_PORT = 6379
-ROLES = ("router", "prefill", "decode")
-"""Ray worker groups. In unified mode the `decode` group runs the `unified` deployment."""
 
 
 class SpecError(ValueError):
     """An `LLMService` spec that cannot be served; the message names the field to change."""
 
-
-def ray_resource(group: str) -> str:
-    """The Ray custom resource a worker group's pods offer (one unit each) and its replicas ask for.
-
-    One unit per pod and per replica pins exactly one replica of the role to each pod of the
-    role's group: replicas land on the pods with the role's resources, and the router's fixed
-    gRPC port never collides on one pod."""
-    return f"kvmesh-{group}"
-
-
-# --- quantities ---------------------------------------------------------------------------
-
-_QUANTITY_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_SUFFIX = {"m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-
-
-def parse_quantity(q: int | str) -> float:
-    """A Kubernetes quantity ('500m', '8Gi', 2) as a number (cores, bytes)."""
-    if isinstance(q, int):
-        return float(q)
-    m = _QUANTITY_RE.match(q.strip())
-    if m is None:
-        raise ValueError(f"{q!r} is not a Kubernetes quantity (e.g. 2, '500m', '8Gi')")
-    return float(m.group(1)) * _SUFFIX[m.group(2) or ""]
-
-
-def _check_quantity(q: int | str) -> int | str:
-    parse_quantity(q)
-    if isinstance(q, int) and q < 0:
-        raise ValueError("a quantity must be >= 0")
-    return q
-
-
-Quantity = Annotated[
-    int | str,
-    AfterValidator(_check_quantity),
-    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}],
-                    "pattern": _QUANTITY_RE.pattern, "x-kubernetes-int-or-string": True}),
-]
-
-
-# --- models -------------------------------------------------------------------------------
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True)
@@ -314,12 +265,13 @@ class LLMServiceSpec(_Spec):
         return groups
 
 
-# --- parsing and mapping ------------------------------------------------------------------
+# --- parsing ------------------------------------------------------------------------------
 
 _NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 
 
-def _format(err: ValidationError, prefix: str) -> str:
+def format_errors(err: ValidationError, prefix: str) -> str:
+    """Every error of `err` as `<prefix>.<field path>: <message>`, joined by '; '."""
     parts = []
     for e in err.errors():
         loc = ".".join(str(p) for p in (prefix, *e["loc"]))
@@ -343,109 +295,5 @@ def parse_spec(raw: Any) -> LLMServiceSpec:
     try:
         return LLMServiceSpec.model_validate(raw)
     except ValidationError as e:
-        raise SpecError(_format(e, "spec")) from None
+        raise SpecError(format_errors(e, "spec")) from None
 
-
-def resolve_uri(uri: str | None, field: str) -> str | None:
-    """A model URI as the folder the engine opens inside the pod (see ModelSpec.uri)."""
-    if uri is None:
-        return None
-    if uri.startswith("file://"):
-        uri = uri.removeprefix("file://")
-    if uri.startswith("/"):
-        return uri
-    if uri.startswith("pvc://"):
-        claim, _, path = uri.removeprefix("pvc://").partition("/")
-        if not claim:
-            raise SpecError(f"{field} {uri!r}: pvc:// needs a claim name, e.g. pvc://models/llama-3-8b")
-        return f"{MODEL_MOUNT}/{claim}/{path}".rstrip("/")
-    raise SpecError(f"{field} {uri!r}: kvmesh never downloads weights; use an absolute path in the image, "
-                    "file:///path or pvc://<claim>/<path>")
-
-
-def pvc_claims(spec: LLMServiceSpec) -> list[str]:
-    """PersistentVolumeClaims the model URIs name, in order, without duplicates."""
-    uris = [spec.model.uri, spec.model.draft.uri if spec.model.draft else None]
-    claims = [u.removeprefix("pvc://").partition("/")[0] for u in uris if u and u.startswith("pvc://")]
-    return list(dict.fromkeys(claims))
-
-
-def redis_service_name(name: str) -> str:
-    return f"{name}-redis"
-
-
-def _resources(w: WorkloadSpec, group: str) -> dict[str, Any]:
-    return {"num_cpus": parse_quantity(w.resources.cpu), "num_gpus": float(w.resources.gpu),
-            "custom": {ray_resource(group): 1.0}}
-
-
-def _workload(w: WorkloadSpec, group: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"resources": _resources(w, group), "node_selector": dict(w.node_selector),
-                           "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in w.tolerations]}
-    if w.scaling is not None:
-        out["autoscaling"] = {"min_replicas": w.scaling.min_replicas, "max_replicas": w.scaling.max_replicas,
-                              "target_ongoing_requests": w.scaling.target_ongoing_requests}
-    else:
-        out["replicas"] = w.bounds()[0]
-    return out
-
-
-def _engine(spec: LLMServiceSpec) -> dict[str, Any]:
-    m, e = spec.model, spec.engine
-    model: dict[str, Any] = {"model": resolve_uri(m.uri, "spec.model.uri"), "dtype": m.dtype,
-                             "quantization": m.quantization, "max_model_len": e.max_model_len,
-                             "device": "cuda" if spec.decode.resources.gpu > 0 else "cpu"}
-    engine: dict[str, Any] = {
-        "model": model,
-        "cache": {"block_size": e.block_size, "kv_cache_memory_fraction": e.kv_cache_memory_fraction,
-                  "kv_cache_memory_gb": e.kv_cache_memory_gb, "enable_prefix_caching": e.prefix_caching},
-        "scheduler": {"max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens},
-        "prompt_cache": [{"name": p.name, "text": p.text, "token_ids": p.token_ids, "ttl_s": p.ttl_seconds}
-                         for p in spec.prompt_cache],
-    }
-    if m.draft is not None:
-        engine["speculative"] = {"method": m.draft.method, "model": resolve_uri(m.draft.uri, "spec.model.draft.uri"),
-                                 "num_speculative_tokens": m.draft.num_speculative_tokens}
-    return engine
-
-
-def to_serving_config(spec: LLMServiceSpec, *, name: str = "kvmesh", namespace: str = "default") -> ServingConfig:
-    """The ServingConfig the Ray Serve app (`kvmesh.serve.app:build`) runs for this spec.
-
-    Listens on 0.0.0.0 (inside pods); each role's replicas ask for their group's Ray
-    custom resource; a managed Redis is reached through its Service's cluster DNS name.
-    Raises SpecError when kvmesh's own config rejects the combination (e.g. float16 on CPU)."""
-    check_name(name)
-    router = _workload(spec.router, "router")
-    router["config"] = {"pd_threshold_tokens": spec.router.pd_threshold_tokens}
-    if spec.router.scorers is not None:
-        router["config"]["scorers"] = [s.model_dump() for s in spec.router.scorers]
-    data: dict[str, Any] = {
-        "name": name, "model_id": spec.model.name or name, "engine": _engine(spec), "router": router,
-        "decode": _workload(spec.decode, "decode"),
-        "tracing": {"otlp_endpoint": spec.tracing.otlp_endpoint, "sample_ratio": spec.tracing.sample_ratio,
-                    "service_name": name},
-        "host": "0.0.0.0",
-    }
-    if spec.prefill is not None:
-        data["prefill"] = _workload(spec.prefill, "prefill")
-        if (spec.prefill.resources.gpu > 0) != (spec.decode.resources.gpu > 0):
-            data["prefill"]["engine_overrides"] = {"device": "cuda" if spec.prefill.resources.gpu else "cpu"}
-    redis = spec.cache.redis
-    if redis is not None:
-        url = redis.url or f"redis://{redis_service_name(name)}.{namespace}.svc:{REDIS_PORT}/0"
-        data["kv_store"] = {"redis_url": url, "ttl_s": float(redis.ttl_seconds)}
-    try:
-        cfg = ServingConfig.model_validate(data)
-        for role in cfg.roles():
-            cfg.engine_for(role)
-    except ValidationError as e:
-        raise SpecError(f"the serving config this spec maps to is invalid: {_format(e, 'servingConfig')}") from None
-    except ValueError as e:
-        raise SpecError(f"the serving config this spec maps to is invalid: {e}") from None
-    return cfg
-
-
-def ray_cpus(q: int | str) -> int:
-    """Whole CPUs a Ray node advertises for a pod's CPU quantity (`ray start --num-cpus` is an int)."""
-    return max(1, math.ceil(parse_quantity(q)))

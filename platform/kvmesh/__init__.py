@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "LLM":
-        from kvmesh.engine.llm import LLM
+        from kvmesh.llm import LLM
 
         return LLM
     if name == "LLMEngine":

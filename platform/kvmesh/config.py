@@ -105,6 +105,14 @@ class PromptCacheEntry(_Base):
         return self
 
 
+class TracingConfig(_Base):
+    """OpenTelemetry tracing; off unless an OTLP endpoint is set (or a test installs a provider)."""
+
+    otlp_endpoint: str | None = Field(None, description="OTLP/gRPC collector, e.g. http://otel-collector:4317.")
+    service_name: str = Field("kvmesh")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="Fraction of new traces sampled.")
+
+
 class EngineConfig(_Base):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)

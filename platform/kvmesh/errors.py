@@ -1,7 +1,9 @@
-"""Error types shared by the engine, the CLI and (later) the gRPC / HTTP front ends.
+"""The one error hierarchy of kvmesh: every error kvmesh raises on purpose is a KVMeshError.
 
 Every error raised for bad user input names the offending field and says what to
-change, so front ends can map it 1:1 onto INVALID_ARGUMENT / HTTP 400.
+change, so front ends map it 1:1 onto INVALID_ARGUMENT / HTTP 400. Errors that carry a
+transport-specific payload (rpc.status.StatusError with its gRPC code, the HTTP
+layer's APIError) subclass KVMeshError where they are defined.
 """
 
 
@@ -26,3 +28,21 @@ class ModelNotFoundError(KVMeshError, FileNotFoundError):
 
 class ConfigError(KVMeshError, ValueError):
     """An engine configuration that cannot work (e.g. a KV cache too small)."""
+
+
+class EngineDeadError(KVMeshError, RuntimeError):
+    """The engine's step loop crashed; no further requests can be served (UNAVAILABLE)."""
+
+
+class KVTransferError(KVMeshError, RuntimeError):
+    """A KV transfer between workers failed its protocol (layout, checksum, size);
+    the receiving worker recomputes the prompt instead."""
+
+
+class BlockDecodeError(KVMeshError, ValueError):
+    """A KV block read from a shared store is unusable (foreign model or geometry, bad
+    checksum, truncated); `kind` names the reason for the rejection counters."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind  # "corrupt" | "foreign" | "truncated"
+        super().__init__(f"{kind}: {message}")

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc, worker_pb2_grpc
-from kvmesh.engine.llm import LLM
+from kvmesh.llm import LLM
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError
 from kvmesh.router.config import RouterConfig

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 import torch
 
+from kvmesh.build import build_engine
 from kvmesh import InvalidRequestError, SamplingParams
 from kvmesh.engine.async_engine import AsyncLLMEngine
 from kvmesh.engine.engine import LLMEngine
@@ -13,7 +14,7 @@ from kvmesh.engine.engine import LLMEngine
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     torch.set_num_threads(1)
-    return LLMEngine.from_kwargs(model=str(tiny_llama), progress=False, block_size=4, num_blocks=200,
+    return build_engine(model=str(tiny_llama), progress=False, block_size=4, num_blocks=200,
                                  max_model_len=256)
 
 

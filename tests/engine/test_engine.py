@@ -45,7 +45,7 @@ def test_prefix_hit_counts_computed_tokens(llm):
     sched = eng.scheduler.schedule()
     (seq,) = sched.seqs
     assert (seq.start_pos, seq.num_tokens) == (40, 3)  # 10 cached blocks, 3-token tail
-    eng.runner.execute(sched)
+    eng.executor.execute(sched)
     eng.abort(rid)
     assert eng.num_free_blocks == eng.num_usable_blocks
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvmesh import SamplingParams
+from kvmesh.build import build_engine
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.hashing import block_hashes
 
@@ -16,7 +17,7 @@ BS = 4
 
 
 def _engine(path):
-    return LLMEngine.from_kwargs(model=str(path), progress=False, block_size=BS, num_blocks=128, max_model_len=256)
+    return build_engine(model=str(path), progress=False, block_size=BS, num_blocks=128, max_model_len=256)
 
 
 class CopyFromEngine:
@@ -38,8 +39,8 @@ class CopyFromEngine:
         first, n = start // BS, num_tokens // BS
         if self.fail_after is not None:
             n = min(n, self.fail_after)
-        data = self.src.runner.read_blocks(self.src_blocks[first : first + n])
-        self.dst.runner.write_blocks(block_ids[first : first + n], data)
+        data = self.src.executor.read_blocks(self.src_blocks[first : first + n])
+        self.dst.executor.write_blocks(block_ids[first : first + n], data)
         self.loaded += n * BS
         return n * BS
 
@@ -74,12 +75,12 @@ def test_loaded_kv_gives_identical_output_and_skips_compute(tiny_llama, fail_aft
     loaded = 24 if fail_after is None else 8
     assert loader.loaded == loaded
     assert seq.start_pos == loaded and seq.num_tokens == 26 - loaded  # only the tail is computed
-    out = dst.runner.execute(sched)
+    out = dst.executor.execute(sched)
     dst.scheduler.update_from_output(sched, out)
     tokens = [t for ts in out.sampled_token_ids.values() for t in ts]
     while dst.has_unfinished():
         sched = dst.scheduler.schedule()
-        out = dst.runner.execute(sched)
+        out = dst.executor.execute(sched)
         dst.scheduler.update_from_output(sched, out)
         tokens += [t for ts in out.sampled_token_ids.values() for t in ts]
     assert tokens == expected

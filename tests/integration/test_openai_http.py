@@ -23,7 +23,7 @@ KEY = "sk-test-kvmesh"
 
 @pytest.fixture(scope="module")
 def router(workers, tiny_llama, tmp_path_factory):
-    from kvmesh.serve.protocol import free_port
+    from kvmesh.rpc import free_port
 
     port = free_port()
     os.environ["KVMESH_API_KEY"] = KEY  # inherited by the router process only

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
-from kvmesh.serve.protocol import free_port
+from kvmesh.rpc import free_port
 from kvmesh_procs import collect
 
 

@@ -1,4 +1,4 @@
-"""Tests for the embedded SmolLM2 model conversion (kvmesh.models.embedded).
+"""Tests for the embedded SmolLM2 model conversion (kvmesh.checkpoint.embedded).
 
 The conversion runs at most once per cache (about half a minute on CPU, ~520 MB);
 later calls hit the `.complete` marker. These tests never load the full model.

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from helpers import assert_logits_close, hf_greedy, hf_step_logits, run_collecting_logits
+from kvmesh.build import build_engine
 from kvmesh import SamplingParams
 from kvmesh.engine.engine import LLMEngine
 
@@ -22,7 +23,7 @@ def engine_and_hf():
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
-    engine = LLMEngine.from_kwargs(progress=False, block_size=16, num_blocks=64, max_num_batched_tokens=8)
+    engine = build_engine(progress=False, block_size=16, num_blocks=64, max_num_batched_tokens=8)
     hf = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
     return engine, hf
 

@@ -12,7 +12,8 @@ import yaml
 from k8s_helpers import CRD_FILE, ROOT
 from k8s_helpers import validate_builtin, validate_schema
 from kvmesh_operator.crd import render_yaml
-from kvmesh_operator.spec import parse_spec, to_serving_config
+from kvmesh_operator.mapping import to_serving_config
+from kvmesh_operator.spec import parse_spec
 
 EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
 

@@ -9,7 +9,9 @@ import pytest
 
 from k8s_helpers import ROOT
 from kvmesh.serve.config import ServingConfig
-from kvmesh_operator.spec import SpecError, parse_quantity, parse_spec, ray_cpus, to_serving_config
+from kvmesh_operator.mapping import to_serving_config
+from kvmesh_operator.quantity import parse_quantity, ray_cpus
+from kvmesh_operator.spec import SpecError, parse_spec
 
 
 def test_empty_spec_is_unified_with_kvmesh_defaults():

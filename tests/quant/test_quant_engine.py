@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from kvmesh.engine.llm import LLM
+from kvmesh.llm import LLM
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.models.loader import model_fingerprint
 from kvmesh.quant import kernels
@@ -32,7 +32,7 @@ def greedy(model, **kw) -> list[list[int]]:
 def test_quantized_engine_equals_dequantize_then_matmul(method, group, tied, model_factory, monkeypatch):
     model = model_factory(tie_word_embeddings=tied)
     llm = LLM(str(model), progress=False, num_blocks=64, quantization=method, quantization_group_size=group)
-    m = llm.engine.model
+    m = llm.engine.executor.model
     assert isinstance(m.model.embed_tokens, QuantEmbedding)
     assert isinstance(m.model.layers[0].self_attn.qkv_proj, QuantLinear)
     assert (m.lm_head is m.model.embed_tokens.head) == tied
@@ -42,7 +42,7 @@ def test_quantized_engine_equals_dequantize_then_matmul(method, group, tied, mod
 
 
 def test_weight_bytes_shrink(tiny_llama):
-    sizes = {q: weight_bytes(LLM(str(tiny_llama), progress=False, num_blocks=16, quantization=q).engine.model)
+    sizes = {q: weight_bytes(LLM(str(tiny_llama), progress=False, num_blocks=16, quantization=q).engine.executor.model)
              for q in (None, "int8", "int4")}
     assert sizes["int8"] < 0.3 * sizes[None]
     assert sizes["int4"] < sizes["int8"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from quant_packers import dequant_reference, pack_awq, pack_gptq, random_int4_layer, write_quantized_checkpoint
 
-from kvmesh.engine.llm import LLM
+from kvmesh.llm import LLM
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.quant.formats import AWQFormat, GPTQFormat, format_from_config
 from kvmesh.quant.modules import QuantLinear

@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from kvmesh.engine.llm import LLM
+from kvmesh.llm import LLM
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import ConfigError
 from kvmesh.models.loader import model_fingerprint
@@ -167,7 +167,7 @@ def _greedy(folder, **kw) -> tuple[list[list[int]], LLM]:
 
 def test_gguf_model_greedy_equals_dequantized_float(gguf_folder):
     kept, llm = _greedy(gguf_folder, quantization="gguf")
-    m = llm.engine.model
+    m = llm.engine.executor.model
     assert isinstance(m.model.embed_tokens, QuantEmbedding) and m.lm_head is m.model.embed_tokens.head
     assert m.lm_head.scales.shape[1] == m.cfg.hidden_size // 32  # Q8_0: a scale per 32 columns
     assert [layer.self_attn.qkv_proj.scheme for layer in m.model.layers] == ["int4", "int8", "int4"]
@@ -211,7 +211,7 @@ def test_embedded_gguf_greedy_equals_float32():
         llm = LLM(progress=False, num_blocks=32, max_model_len=256, quantization=q)
         out[q] = llm.generate([prompt], params)[0].outputs[0]
         if q == "gguf":
-            m = llm.engine.model
+            m = llm.engine.executor.model
             assert m.model.layers[0].self_attn.qkv_proj.mins is not None  # Q4_1
             assert m.lm_head is m.model.embed_tokens.head  # Q8_0, tied
         del llm

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.engine.llm import LLM
+from kvmesh.llm import LLM
 from kvmesh.quant.quality import eval_tokens, perplexity
 
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvmesh.worker.kv_transfer import KVAssembler, KVTransferError, TransferTable, make_chunk
+from kvmesh.errors import KVTransferError
+from kvmesh.worker.kv_transfer import KVAssembler, TransferTable, make_chunk
 from kvmesh.worker.model_runner import KVCacheSpec
 
 

@@ -8,7 +8,7 @@ from kvmesh.errors import InvalidRequestError
 from kvmesh.router.config import RouterConfig, ScorerWeight
 from kvmesh.router.plugins import RouteRequest, WorkerScheduler
 from kvmesh.router.registry import WorkerHandle
-from kvmesh.serve.protocol import params_from_proto, params_to_proto
+from kvmesh.rpc import params_from_proto, params_to_proto
 
 FP, BS = "fp", 4
 

@@ -70,6 +70,6 @@ def stop_serve(s: Serve, timeout: float = 120.0) -> int | None:
 
 
 def free_port() -> int:
-    from kvmesh.serve.protocol import free_port as fp
+    from kvmesh.rpc import free_port as fp
 
     return fp()

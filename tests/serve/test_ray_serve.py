@@ -53,7 +53,7 @@ def serving_config(model, decode_replicas: int) -> dict:
 @pytest.fixture(scope="module")
 def offline(chat_model):
     """Greedy outputs of the engine itself, in this process."""
-    from kvmesh.engine.llm import LLM
+    from kvmesh.llm import LLM
     from kvmesh.engine.sampling_params import SamplingParams
 
     llm = LLM(model=str(chat_model), max_model_len=256, block_size=4, num_blocks=256)

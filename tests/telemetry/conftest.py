@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvmesh.serve.protocol import free_port
+from kvmesh.rpc import free_port
 
 BS = 4
 
@@ -43,24 +43,24 @@ class Cluster:
 
 @pytest.fixture(scope="session")
 def cluster(tiny_llama):
-    from kvmesh.engine.async_engine import AsyncLLMEngine
-    from kvmesh.engine.engine import LLMEngine
+    from kvmesh.build import build_worker
+    from kvmesh.config import EngineConfig
     from kvmesh.router.config import RouterConfig
     from kvmesh.router.registry import StaticRegistry
     from kvmesh.router.server import RouterServer
-    from kvmesh.worker.server import WorkerServer, WorkerServerConfig
+    from kvmesh.worker.server import WorkerServerConfig
 
-    def engine():
-        return AsyncLLMEngine(LLMEngine.from_kwargs(model=str(tiny_llama), progress=False, block_size=BS,
-                                                    num_blocks=128, max_model_len=256, num_threads=1))
+    def worker(config: WorkerServerConfig):
+        return build_worker(EngineConfig.from_kwargs(model=str(tiny_llama), block_size=BS, num_blocks=128,
+                                                     max_model_len=256, num_threads=1), config)
 
     loop = LoopThread()
     metrics_port = free_port()
     started = []
 
     async def start():
-        prefill = WorkerServer(engine(), WorkerServerConfig(role="prefill"))
-        decode = WorkerServer(engine(), WorkerServerConfig(role="decode", metrics_port=metrics_port))
+        prefill = worker(WorkerServerConfig(role="prefill"))
+        decode = worker(WorkerServerConfig(role="decode", metrics_port=metrics_port))
         for w in (prefill, decode):
             await w.start()
             started.append(w)

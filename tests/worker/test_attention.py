@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.worker import cpu_kernels
-from kvmesh.worker.attention import BACKENDS, SeqSpan, get_attention_backend
+from kvmesh.layers import cpu_kernels
+from kvmesh.layers.attention import BACKENDS, SeqSpan, get_attention_backend
 
 CPU = torch.device("cpu")
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import assert_logits_close, hf_greedy, hf_step_logits, run_collecting_logits
+from kvmesh.build import build_engine
 from kvmesh import SamplingParams
 from kvmesh.engine.engine import LLMEngine
 
@@ -22,7 +23,7 @@ def _check(path, engine_kwargs, lengths=(1, 5, 17, 33, 64, 9), rtol=1e-3):
 
     torch.set_num_threads(1)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = LLMEngine.from_kwargs(model=str(path), progress=False, **engine_kwargs)
+    engine = build_engine(model=str(path), progress=False, **engine_kwargs)
     prompts = _prompts(hf.config.vocab_size, lengths)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     tokens, logits = run_collecting_logits(engine, prompts, params)

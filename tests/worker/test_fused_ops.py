@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kvmesh.models.llama import RMSNorm
 from kvmesh.models.rope import apply_rope
-from kvmesh.worker import cpu_kernels
+from kvmesh.layers import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels need a C++ compiler")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

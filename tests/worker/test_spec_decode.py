@@ -80,7 +80,7 @@ def test_no_leaks_with_aborts_and_preemption(tiny_llama, draft_model):
         eng.step()
     assert eng.stats()["num_preemptions"] > 0
     assert eng.num_free_blocks == eng.num_usable_blocks
-    assert not eng.proposer._computed
+    assert not eng.executor.proposer._computed
 
 
 def _second_token_distribution(path, spec, n, seed0=0):
@@ -91,7 +91,7 @@ def _second_token_distribution(path, spec, n, seed0=0):
     # max_tokens 3: after the first token two remain, so a draft is verified at token 2
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=seed0 + i, ignore_eos=True) for i in range(n)]
     outs = llm.generate([prompt] * n, params)
-    counts = torch.zeros(llm.engine.arch.vocab_size)
+    counts = torch.zeros(llm.engine.model_info.vocab_size)
     for o in outs:
         counts[o.outputs[0].token_ids[1]] += 1
     return counts / n, llm

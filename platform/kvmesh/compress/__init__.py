@@ -21,9 +21,7 @@ compression options is untouched.
 Importing this package loads no model and no torch (protobuf only).
 """
 
-from kvmesh.compress.api import (
-    COMPRESSORS, CompressedPrompt, KeptSpan, compress, compress_prompt, get_compressor,
-)
+from kvmesh.compress.api import COMPRESSORS, CompressedPrompt, KeptSpan, compress, compress_prompt, get_compressor
 from kvmesh.compress.options import CompressionOptions, options_from_openai, parse_options
 from kvmesh.compress.proto import compress_request, options_from_proto, options_to_proto
 from kvmesh.compress.text import CLOSE, OPEN

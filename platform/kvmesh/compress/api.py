@@ -16,7 +16,13 @@ from typing import Any, Protocol
 
 from kvmesh.compress.options import CompressionOptions, parse_options
 from kvmesh.compress.text import (
-    MarkedPrompt, Span, TokenCounter, default_question, parse_marked_prompt, render, select_under_budget,
+    MarkedPrompt,
+    Span,
+    TokenCounter,
+    default_question,
+    parse_marked_prompt,
+    render,
+    select_under_budget,
 )
 from kvmesh.errors import InvalidRequestError
 

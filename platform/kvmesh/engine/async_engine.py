@@ -16,16 +16,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvmesh.config import EngineConfig
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop crashed; no further requests can be served."""
 
 
 class AsyncLLMEngine:
@@ -39,10 +35,6 @@ class AsyncLLMEngine:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
-
-    @classmethod
-    def from_config(cls, config: EngineConfig | None = None, progress: bool = True) -> "AsyncLLMEngine":
-        return cls(LLMEngine(config, progress=progress))
 
     @property
     def tokenizer(self):
@@ -71,14 +63,10 @@ class AsyncLLMEngine:
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
-            from kvmesh.errors import InvalidRequestError
-
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         if isinstance(prompt, str):
             if not prompt:
-                from kvmesh.errors import InvalidRequestError
-
-                raise InvalidRequestError("prompt", "must not be empty")
+                    raise InvalidRequestError("prompt", "must not be empty")
             ids = self.engine.encode(prompt)
             text = prompt
         else:

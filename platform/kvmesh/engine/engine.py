@@ -12,19 +12,16 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.interfaces import KVConnector, KVLoader, ModelExecutor, ModelInfo
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, StepResult
-from kvmesh.errors import ConfigError, InvalidRequestError
-
-if TYPE_CHECKING:
-    from kvmesh.compress.options import CompressionOptions
+from kvmesh.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -45,116 +42,51 @@ class _OutputState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, progress: bool = True):
-        import torch
+    """Bookkeeping around a model executor: requests in, outputs out.
 
-        from kvmesh.models.loader import load_model, load_tokenizer, model_fingerprint, resolve_model_path
-        from kvmesh.quant.loader import quantization_id
-        from kvmesh.worker.model_runner import _DTYPES, KVCacheSpec, ModelRunner
+    Built by `kvmesh.build.build_engine` (which loads the model, sizes the cache and
+    wires the executor and KV connectors); constructed directly only with fakes in
+    tests. Imports and constructs without torch.
+    """
 
-        self.config = config = config or EngineConfig()
-        mc, cc, sc = config.model, config.cache, config.scheduler
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        device = torch.device(mc.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("model.device: CUDA requested but torch sees no GPU; use --device cpu")
-        self.model_path = resolve_model_path(mc.model, progress=progress)
-        self.tokenizer = load_tokenizer(self.model_path if mc.tokenizer is None else resolve_model_path(mc.tokenizer))
-        dtype = _DTYPES[mc.dtype]
-
-        from kvmesh.models.loader import load_arch_config
-
-        arch = load_arch_config(self.model_path)
-        limit = arch.max_position_embeddings
-        if arch.sliding_window:
-            # The reference backend has no sliding-window attention: stay inside it.
-            limit = min(limit, arch.sliding_window)
-        if mc.max_model_len is not None and mc.max_model_len > arch.max_position_embeddings:
-            raise ConfigError(
-                f"model.max_model_len: {mc.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({arch.max_position_embeddings})"
-            )
-        max_model_len = mc.max_model_len or limit
-
-        self.model, self.arch = load_model(self.model_path, dtype, device, max_model_len + 1,
-                                           mc.quantization, mc.quantization_group_size)
-        spec = KVCacheSpec(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype)
-        num_blocks = cc.num_blocks or self._auto_num_blocks(spec, device)
-        capacity = (num_blocks - 1) * cc.block_size
-        if capacity < max_model_len:
-            if mc.max_model_len is not None:
-                raise ConfigError(
-                    f"cache: {num_blocks} blocks of {cc.block_size} tokens hold {capacity} tokens, "
-                    f"less than max_model_len={max_model_len}; raise cache.num_blocks / "
-                    "kv_cache_memory_gb or lower max_model_len"
-                )
-            max_model_len = capacity
-        self.max_model_len = max_model_len
-        self.fingerprint = model_fingerprint(
-            self.model_path, {"dtype": mc.dtype, "block_size": cc.block_size,
-                              "quantization": quantization_id(self.model_path, mc.quantization,
-                                                              mc.quantization_group_size)}
-        )
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, self.fingerprint, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_manager, sc.max_num_seqs, sc.max_num_batched_tokens, max_model_len)
-        self.runner = ModelRunner(self.model, arch, cc.block_size, num_blocks, device, seed=mc.seed,
-                                  attention_backend=config.attention_backend)
-        self.eos_token_id = self._eos_token_id()
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: ModelExecutor,
+        tokenizer,
+        model: ModelInfo,
+        kv_loader: KVLoader | None = None,
+        kv_connector: KVConnector | None = None,
+    ):
+        """`kv_loader` is what the scheduler consults at admission; it defaults to
+        `kv_connector` (the shared store) and may wrap it (P/D transfer, telemetry)."""
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.model_info = model
+        self.model_path = model.path
+        self.fingerprint = model.fingerprint
+        self.max_model_len = model.max_model_len
+        self.eos_token_id = model.eos_token_id
+        cc, sc = config.cache, config.scheduler
+        self.kv_manager = KVCacheManager(executor.num_blocks, cc.block_size, model.fingerprint,
+                                         cc.enable_prefix_caching)
+        self.kv_connector = kv_connector
+        self.scheduler = Scheduler(self.kv_manager, sc.max_num_seqs, sc.max_num_batched_tokens, model.max_model_len,
+                                   kv_loader=kv_loader if kv_loader is not None else kv_connector)
         self._states: dict[str, _OutputState] = {}
         # Outputs of other requests produced while cache_prompt drove the engine.
         self._buffered: list[RequestOutput] = []
         # name -> (hold id, store keys of its full blocks, expiry or None)
         self._pinned: dict[str, tuple[str, list[bytes], float | None]] = {}
-        self.kv_connector = None
-        if config.kv_store:
-            from kvmesh.kvstore import BlockCodec, create_store
-            from kvmesh.kvstore.connector import StoreConnector
-
-            codec = BlockCodec(self.fingerprint, mc.dtype, cc.block_size, arch.num_layers,
-                               arch.num_kv_heads, arch.head_dim)
-            self.kv_connector = StoreConnector(create_store(config.kv_store), codec, self.kv_manager,
-                                               self.runner, config.kv_store_ttl_s)
-            self.scheduler.kv_loader = self.kv_connector
-        self.proposer = None
-        self._draft_probs: dict = {}
         self.spec_counters = {"proposed": 0, "accepted": 0, "verify_steps": 0}
-        if config.speculative is not None:
-            self.proposer = self._build_proposer(config.speculative, dtype, device, max_model_len, num_blocks)
-        for entry in config.prompt_cache:
-            self.cache_prompt(entry.name, entry.text if entry.text is not None else entry.token_ids, entry.ttl_s)
-        logger.info("kvmesh engine: %s, %d KV blocks x %d tokens, max_model_len %d",
-                    self.model_path, num_blocks, cc.block_size, max_model_len)
-
-    def _build_proposer(self, spec, dtype, device, max_model_len: int, num_blocks: int):
-        from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
-
-        if spec.method == "ngram":
-            return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
-        from kvmesh.models.loader import load_model, resolve_model_path
-        from kvmesh.worker.model_runner import ModelRunner
-
-        if spec.model == "self" and spec.quantization is None:
-            draft, arch = self.model, self.arch  # shares weights; only the KV cache is separate
-        else:
-            # A quantized copy of the target ("self" + quantization) is a cheap, well
-            # aligned draft; any other folder must share the target's tokenizer.
-            path = self.model_path if spec.model == "self" else resolve_model_path(spec.model)
-            draft, arch = load_model(path, dtype, device, max_model_len + spec.num_speculative_tokens + 1,
-                                     quantization=spec.quantization)
-            if arch.vocab_size != self.arch.vocab_size:
-                raise ConfigError(
-                    f"speculative.model: draft vocab {arch.vocab_size} != target vocab "
-                    f"{self.arch.vocab_size}; a draft must share the target's tokenizer")
-        runner = ModelRunner(draft, arch, self.kv_manager.block_size, num_blocks, device,
-                             seed=self.config.model.seed + 1, attention_backend=self.config.attention_backend)
-        return DraftModelProposer(runner, spec.num_speculative_tokens)
 
     def _propose(self) -> None:
         """Draft tokens for the next step of every request that is decoding."""
         spec = self.config.speculative
         running = self.scheduler.running
-        if self.proposer is None or not running or len(running) > spec.max_batch_size:
+        method = self.executor.proposer_method
+        if method is None or spec is None or not running or len(running) > spec.max_batch_size:
             return
         k = spec.num_speculative_tokens
         # Adaptive: a request whose recent drafts were mostly rejected stops paying for
@@ -164,35 +96,15 @@ class LLMEngine:
                  if r.num_computed_tokens == r.num_tokens - 1 and r.sampling_params.can_speculate
                  and r.num_output_tokens < r.sampling_params.max_tokens - 1
                  and (r.spec_acceptance_ema >= SPEC_MIN_ACCEPTANCE or r.num_output_tokens % SPEC_PROBE_EVERY == 0)]
-        if self.proposer.method == "draft":
+        if method == "draft":
             # The draft writes KV at the k draft positions: reserve the target's slots
             # now (the next schedule needs exactly these for 1 + k tokens anyway).
             cands = [r for r in cands if self.kv_manager.allocate_slots(r, 1 + k) is not None]
         if not cands:
             return
         tables = {r.request_id: self.kv_manager.get_block_ids(r.request_id) for r in cands}
-        for rid, prop in self.proposer.propose(cands, tables, k).items():
-            self.scheduler.requests[rid].spec_token_ids = prop.token_ids
-            self._draft_probs[rid] = prop.probs
-
-    @classmethod
-    def from_kwargs(cls, progress: bool = True, **kwargs) -> "LLMEngine":
-        return cls(EngineConfig.from_kwargs(**kwargs), progress=progress)
-
-    def _auto_num_blocks(self, spec, device) -> int:
-        import torch
-
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * self.config.cache.kv_cache_memory_fraction)
-        else:
-            budget = int(self.config.cache.kv_cache_memory_gb * (1 << 30))
-        return max(budget // spec.bytes_per_block, 2)
-
-    def _eos_token_id(self) -> int | None:
-        if self.tokenizer.eos_token_id is not None:
-            return self.tokenizer.eos_token_id
-        return self.arch.eos_token_ids[0] if self.arch.eos_token_ids else None
+        for rid, token_ids in self.executor.propose(cands, tables, k).items():
+            self.scheduler.requests[rid].spec_token_ids = token_ids
 
     # -- input ------------------------------------------------------------
 
@@ -216,32 +128,20 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_text: str | None = None,
         hold_kv: bool = False,
-        compression: CompressionOptions | dict | None = None,
+        original_prompt_tokens: int | None = None,
     ) -> str:
         """Validate, tokenize and queue a request; returns its id.
 
         `prompt` is text or token ids; `prompt_text` labels a pre-tokenized prompt
         with its text in the outputs. With `hold_kv` the request's KV blocks outlive it
         (see RequestOutput.held_block_ids) until `release_kv(request_id)`.
-        `compression` (kvmesh.compress.CompressionOptions or a dict) compresses the
-        `<context>...</context>` spans of a text prompt first (synchronously: TTFT
-        includes it; outputs' metrics then carry `original_prompt_tokens`). None leaves
-        the prompt exactly as given.
+        `original_prompt_tokens`: the prompt was compressed (kvmesh.compress) from this many
+        tokens; outputs' metrics then carry it.
         """
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._states:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        original_prompt_tokens = None
-        if compression is not None:
-            from kvmesh.compress import compress_prompt, parse_options
-
-            arrival_time = time.monotonic() if arrival_time is None else arrival_time
-            opts = parse_options(compression)
-            if not isinstance(prompt, str) or not prompt:
-                raise InvalidRequestError("compression", "needs a text prompt with <context>...</context> spans")
-            original_prompt_tokens = len(self.encode(prompt))
-            prompt = compress_prompt(prompt, opts, tokenizer=self.tokenizer).text
         text = prompt if isinstance(prompt, str) else prompt_text
         if prompt is None or (isinstance(prompt, str) and not prompt):
             raise InvalidRequestError("prompt", "must not be empty")
@@ -259,7 +159,7 @@ class LLMEngine:
     def validate_prompt_ids(self, ids: list[int]) -> None:
         if not ids:
             raise InvalidRequestError("prompt", "must not be empty")
-        vocab = self.arch.vocab_size
+        vocab = self.model_info.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
             raise InvalidRequestError("prompt_token_ids", f"every token id must be an integer in [0, {vocab})")
         if len(ids) >= self.max_model_len:
@@ -276,8 +176,7 @@ class LLMEngine:
             self._states.pop(rid, None)
             if self.kv_connector is not None:
                 self.kv_connector.forget(rid)
-            if self.proposer is not None:
-                self.proposer.forget(rid)
+            self.executor.forget(rid)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._buffered)
@@ -298,18 +197,17 @@ class LLMEngine:
     def _step_once(self) -> list[RequestOutput]:
         self._expire_pins()
         sched = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched, draft_probs=self._draft_probs)
-        self._draft_probs = {}
+        runner_out = self.executor.execute(sched)
         results = self.scheduler.update_from_output(sched, runner_out)
         for seq in sched.seqs:
             if seq.spec_token_ids and seq.request_id in runner_out.sampled_token_ids:
                 self.spec_counters["proposed"] += len(seq.spec_token_ids)
                 self.spec_counters["accepted"] += len(runner_out.sampled_token_ids[seq.request_id]) - 1
                 self.spec_counters["verify_steps"] += 1
-        if self.proposer is not None:
+        if self.executor.proposer_method is not None:
             for res in results:
                 if res.finished:
-                    self.proposer.forget(res.request.request_id)
+                    self.executor.forget(res.request.request_id)
             self._propose()
         if self.kv_connector is not None and sched.seqs:
             live = dict(self.scheduler.requests)
@@ -383,20 +281,7 @@ class LLMEngine:
                 else:
                     self._buffered.append(out)
         ids = final.prompt_token_ids
-        keys: list[bytes] = []
-        if self.kv_connector is not None:
-            from kvmesh.engine.hashing import block_hashes
-            from kvmesh.kvstore.codec import block_key
-
-            hashes = block_hashes(ids, self.kv_manager.block_size, self.fingerprint)
-            keys = [block_key(self.fingerprint, h) for h in hashes]
-            self.kv_connector.flush()
-            data = self.runner.read_blocks(final.held_block_ids[: len(hashes)])
-            from kvmesh.kvstore.connector import block_to_bytes
-
-            items = [(k, self.kv_connector.codec.encode(block_to_bytes(data[:, :, i]))) for i, k in enumerate(keys)]
-            self.kv_connector.store.put_many(items, None)
-            self.kv_connector.store.pin(keys)
+        keys = [] if self.kv_connector is None else self.kv_connector.pin_prompt(ids, final.held_block_ids)
         expires = None if ttl_s is None else time.monotonic() + ttl_s
         self._pinned[name] = (rid, keys, expires)
         return len(ids) // self.kv_manager.block_size * self.kv_manager.block_size
@@ -409,7 +294,7 @@ class LLMEngine:
         rid, keys, _ = entry
         self.kv_manager.release(rid)
         if self.kv_connector is not None and keys:
-            self.kv_connector.store.unpin(keys, self.config.kv_store_ttl_s)
+            self.kv_connector.unpin(keys)
         return True
 
     def _expire_pins(self) -> None:
@@ -425,11 +310,11 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------
 
     def _spec_stats(self) -> dict[str, float]:
-        if self.proposer is None:
+        if self.executor.proposer_method is None:
             return {}
         c = self.spec_counters
         return {
-            "spec_method": self.proposer.method,
+            "spec_method": self.executor.proposer_method,
             "spec_proposed_tokens": c["proposed"],
             "spec_accepted_tokens": c["accepted"],
             "spec_acceptance_rate": c["accepted"] / c["proposed"] if c["proposed"] else 0.0,

@@ -13,31 +13,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
 
+from kvmesh.engine.interfaces import KVLoader
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from kvmesh.engine.request import Request, RequestStatus
-
-
-class KVLoader(Protocol):
-    """Source of KV computed elsewhere (a shared store, a prefill worker).
-
-    At admission the scheduler asks how many tokens past the local prefix-cache hit
-    the loader can supply, allocates blocks for them, and has the loader write them
-    before the step runs; those tokens then count as computed. Injected by the
-    engine, so the scheduler stays free of tensors and I/O.
-    """
-
-    def lookup(self, request: Request, num_local_tokens: int) -> int:
-        """Tokens after the first `num_local_tokens` that can be loaded (may be 0)."""
-        ...
-
-    def load(self, request: Request, block_ids: list[int], start: int, num_tokens: int) -> int:
-        """Write KV of tokens [start, start + num_tokens) into the request's blocks
-        (`block_ids` is its whole table); returns how many tokens were really loaded
-        (a prefix of the promised ones; fewer on a fault)."""
-        ...
 
 
 @dataclass
@@ -56,6 +36,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        kv_loader: KVLoader | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
@@ -74,7 +55,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
-        self.kv_loader: KVLoader | None = None
+        # KV computed elsewhere (shared store, prefill worker), consulted at admission.
+        self.kv_loader = kv_loader
 
     # -- queue management -------------------------------------------------
 

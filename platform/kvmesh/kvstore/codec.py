@@ -26,17 +26,13 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from kvmesh.errors import BlockDecodeError
+
 _HEADER = struct.Struct("<4sHBBHHHH16sII4s")
 MAGIC = b"KVMB"
 VERSION = 1
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
 KEY_PREFIX = b"kvmesh:kv:v1:"
-
-
-class BlockDecodeError(ValueError):
-    def __init__(self, kind: str, message: str):
-        self.kind = kind  # "corrupt" | "foreign" | "truncated"
-        super().__init__(f"{kind}: {message}")
 
 
 def block_key(fingerprint: str, block_hash: bytes) -> bytes:

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.layers.attention import AttentionBackend, AttentionMetadata
+from kvmesh.layers.cpu_kernels import fused
+from kvmesh.layers.ops import Linear
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.rope import RotaryEmbedding, apply_rope
-from kvmesh.worker.attention import AttentionBackend, AttentionMetadata
-from kvmesh.worker.cpu_kernels import fused
-from kvmesh.worker.ops import Linear
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

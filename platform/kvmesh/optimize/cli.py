@@ -18,11 +18,11 @@ def _model_path(model: str | None) -> Path:
 
 
 def cmd_prune(args) -> int:
+    import torch
+
     from kvmesh.models.loader import load_arch_config, load_tokenizer
     from kvmesh.optimize.corpus import token_windows
     from kvmesh.optimize.prune import check_output_folder, prune_checkpoint, resolve_shape
-
-    import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)

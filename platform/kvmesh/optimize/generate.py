@@ -28,8 +28,8 @@ def teacher_chat_windows(teacher_path: Path, *, num_prompts: int, max_tokens: in
                          split: str = "train", cache: Path | None = None, threads: int | None = None,
                          progress: bool = True) -> list[list[int]]:
     """seq_len-token windows of the teacher's greedy replies to `num_prompts` chat prompts."""
-    from kvmesh.engine.llm import LLM
     from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.llm import LLM
     from kvmesh.optimize.corpus import chat_prompts, pack_windows
 
     key = chat_data_key(teacher_path, split, num_prompts, max_tokens, seq_len)

@@ -45,7 +45,7 @@ _TYPES = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q8_0": ("int8", 34),
 
 def find_gguf(path: Path) -> Path:
     """The GGUF file that `path` (a checkpoint folder) was converted from."""
-    from kvmesh.models.embedded import gguf_source
+    from kvmesh.checkpoint.embedded import gguf_source
 
     src = gguf_source(path)
     if src is not None:
@@ -107,7 +107,7 @@ def convert_tensor(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> 
 
 
 def _permute_rows(t: dict[str, torch.Tensor] | torch.Tensor, n_head: int):
-    from kvmesh.models.embedded import unpermute_rows
+    from kvmesh.checkpoint.embedded import unpermute_rows
 
     if isinstance(t, dict):
         return {k: torch.from_numpy(np.ascontiguousarray(unpermute_rows(v.numpy(), n_head))) for k, v in t.items()}
@@ -204,7 +204,7 @@ def read_gguf(src: Path, cfg) -> tuple[dict[str, str], Iterator[tuple[str, torch
     """
     from gguf import GGMLQuantizationType
 
-    from kvmesh.models.embedded import hf_tensor_name
+    from kvmesh.checkpoint.embedded import hf_tensor_name
 
     header = _Header(src)
     meta = header.meta

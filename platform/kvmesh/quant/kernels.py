@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from kvmesh.layers.ops import linear
 from kvmesh.quant import native
 from kvmesh.quant.primitives import dequantize_int4, dequantize_int8, unpack_int4
-from kvmesh.worker.ops import linear
 
 # Rows up to which the native kernel beats dequantize + matmul (measured, see README).
 NATIVE_MAX_ROWS = 32

@@ -30,7 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvmesh.checkpoint.files import iter_safetensors
 from kvmesh.errors import ConfigError
+from kvmesh.models.llama import LlamaForCausalLM
+from kvmesh.models.loader import load_arch_config, load_float_model
+from kvmesh.models.rope import RotaryEmbedding
 from kvmesh.quant import gguf_weights
 from kvmesh.quant.formats import CheckpointFormat, KVMeshFormat, format_from_config
 from kvmesh.quant.methods import EMBED_NAME, HEAD_NAME, LINEAR_NAMES, QuantMethod, get_method
@@ -42,6 +46,20 @@ def read_quantization_config(path: Path) -> dict[str, Any] | None:
     with open(path / "config.json") as f:
         qc = json.load(f).get("quantization_config")
     return dict(qc) if qc else None
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
+               quantization: str | None = None, group_size: int | None = None):
+    """Build the model for `path` and load its weights; returns (model, ArchConfig).
+
+    `quantization` ("int8" / "int4") quantizes a float checkpoint while loading, "gguf"
+    loads the GGUF the folder came from kept quantized; a checkpoint whose config.json has
+    a `quantization_config` (kvmesh, GPTQ, AWQ) is loaded quantized as stored; anything
+    else loads float weights.
+    """
+    if quantization is None and read_quantization_config(path) is None:
+        return load_float_model(path, dtype, device, max_positions)
+    return load_quantized_model(path, load_arch_config(path), dtype, device, max_positions, quantization, group_size)
 
 
 def quantization_id(path: Path, quantization: str | None, group_size: int | None) -> dict[str, Any] | None:
@@ -141,11 +159,7 @@ def _swap(model: nn.Module, plan: dict[str, str], tied: bool, device: torch.devi
 
 def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.device, max_positions: int,
                          quantization: str | None = None, group_size: int | None = None):
-    """Like models.loader.load_model, for quantized checkpoints or `--quantization`."""
-    from kvmesh.models.llama import LlamaForCausalLM
-    from kvmesh.models.loader import iter_safetensors
-    from kvmesh.models.rope import RotaryEmbedding
-
+    """Like models.loader.load_float_model, for quantized checkpoints or `--quantization`."""
     qc = read_quantization_config(path)
     tied = cfg.tie_word_embeddings
     with torch.device("meta"):

@@ -38,7 +38,7 @@ def _cpu_supported() -> bool:
 
 
 def _build() -> Path | None:
-    from kvmesh.models.embedded import cache_dir
+    from kvmesh.checkpoint.embedded import cache_dir
 
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None or not _SRC.is_file():  # a wheel built without package data lacks the source

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvmesh.worker.attention import SeqSpan
+from kvmesh.layers.attention import SeqSpan
 
 
 @torch.inference_mode()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvmesh.router.plugins import PLUGINS
+
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -46,8 +48,6 @@ class RouterConfig(_Base):
 
     @model_validator(mode="after")
     def _check_plugins(self) -> "RouterConfig":
-        from kvmesh.router.plugins import PLUGINS
-
         checks = [("filters", "filter", self.filters), ("picker", "picker", [self.picker]),
                   ("decider", "decider", [self.decider]),
                   ("scorers", "scorer", [s.name for s in self.scorers])]

@@ -11,9 +11,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from kvmesh.router.registry import WorkerHandle
+if TYPE_CHECKING:  # plugins are pure: RouterConfig (and the operator) validate names without grpc
+    from kvmesh.router.registry import WorkerHandle
 
 # prefill: the P/D prefill phase; decode: the P/D decode phase or a direct request.
 Stage = Literal["prefill", "decode"]

@@ -17,7 +17,7 @@ from typing import Protocol
 import grpc
 
 from kvmesh._proto import worker_pb2, worker_pb2_grpc
-from kvmesh.serve.protocol import CHANNEL_OPTIONS
+from kvmesh.rpc import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 

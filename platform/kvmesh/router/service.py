@@ -34,9 +34,7 @@ from kvmesh.errors import InvalidRequestError
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.plugins import RouteRequest, WorkerScheduler
 from kvmesh.router.registry import WorkerHandle, WorkerPool
-from kvmesh.serve.protocol import (
-    StatusError, abort_with, params_from_proto, params_to_proto, prompt_cache_id, prompt_from_request,
-)
+from kvmesh.rpc import StatusError, abort_with, params_from_proto, params_to_proto, prompt_cache_id, prompt_from_request
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.router import RequestTelemetry, ScoreRecorder, retried
 

@@ -30,8 +30,13 @@ from typing import Any
 import ray
 from ray import serve
 
+from kvmesh.build import build_worker
+from kvmesh.router.server import RouterServer, load_router_tokenizer
 from kvmesh.serve.config import ServingConfig
 from kvmesh.serve.openai import GrpcBackend, create_app
+from kvmesh.telemetry.metrics import exposition
+from kvmesh.telemetry.tracing import configure_tracing
+from kvmesh.worker.server import WorkerServer, WorkerServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +151,6 @@ class WorkerDeployment:
     """One prefill / decode / unified worker replica."""
 
     def __init__(self, config: dict[str, Any], role: str):
-        from kvmesh.engine.async_engine import AsyncLLMEngine
-        from kvmesh.worker.server import WorkerServer, WorkerServerConfig
-
         self.config = cfg = ServingConfig.model_validate(config)
         self.role = role
         _configure_tracing(cfg)
@@ -156,8 +158,7 @@ class WorkerDeployment:
         engine_config = cfg.engine_for(role)
 
         async def start() -> WorkerServer:
-            aengine = AsyncLLMEngine.from_config(engine_config, progress=False)
-            server = WorkerServer(aengine, WorkerServerConfig(
+            server = build_worker(engine_config, WorkerServerConfig(
                 role=role, host=cfg.host, port=0, model_id=cfg.model_id, transfer_ttl_s=cfg.transfer_ttl_s))
             await server.start()
             return server
@@ -229,25 +230,11 @@ def _current_backend() -> GrpcBackend | None:
     return _STATE.get("backend")
 
 
-def _metrics() -> tuple[bytes, str]:
-    try:
-        from kvmesh.telemetry.metrics import exposition
-    except ImportError:  # pragma: no cover - telemetry is part of the package
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return generate_latest(), CONTENT_TYPE_LATEST
-    return exposition()
-
-
 def _configure_tracing(cfg: ServingConfig) -> None:
-    try:
-        from kvmesh.telemetry.tracing import configure_tracing
-    except ImportError:  # pragma: no cover
-        return
     configure_tracing(cfg.tracing)
 
 
-_api = create_app(_current_backend, _metrics)
+_api = create_app(_current_backend, exposition)
 
 
 @_api.get("/kvmesh/workers")
@@ -270,8 +257,6 @@ class RouterDeployment:
     """The public gRPC router plus the OpenAI HTTP ingress (through Ray Serve's proxy)."""
 
     def __init__(self, config: dict[str, Any], workers: dict[str, Any]):
-        from kvmesh.router.server import RouterServer, load_router_tokenizer
-
         self.config = cfg = ServingConfig.model_validate(config)
         _configure_tracing(cfg)
         tokenizer = load_router_tokenizer(cfg.engine.model.model)

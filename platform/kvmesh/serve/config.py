@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvmesh.config import EngineConfig
+from kvmesh.config import EngineConfig, TracingConfig
 from kvmesh.router.config import RouterConfig
 
 
@@ -116,14 +116,6 @@ class KVStoreConfig(_Base):
 
     def url(self) -> str:
         return self.redis_url or "memory"
-
-
-class TracingConfig(_Base):
-    """OpenTelemetry tracing; off unless an OTLP endpoint is set (or a test installs a provider)."""
-
-    otlp_endpoint: str | None = Field(None, description="OTLP/gRPC collector, e.g. http://otel-collector:4317.")
-    service_name: str = Field("kvmesh")
-    sample_ratio: float = Field(1.0, ge=0, le=1, description="Fraction of new traces sampled.")
 
 
 class ServingConfig(_Base):

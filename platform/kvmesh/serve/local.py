@@ -1,5 +1,5 @@
-"""`kvmesh serve --local`: the router plus one prefill and one decode worker on this
-machine, no Ray, each a separate OS process (the faithful shape of a cluster: the
+"""`kvmesh serve --local`: the router plus the config's worker replicas (by default one
+prefill and one decode worker) on this machine, no Ray, each a separate OS process (the faithful shape of a cluster: the
 KV really crosses a process boundary by PullKV, and a crashing worker cannot take the
 router down). Workers listen on free loopback ports; the router on --port.
 
@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+
+from kvmesh.serve.config import ServingConfig
 
 _READY = re.compile(r"KVMESH_(WORKER|ROUTER)_READY .*address=(\S+)")
 
@@ -64,9 +66,35 @@ def stop(child: Child, timeout_s: float = 10.0) -> None:
             child.popen.wait()
 
 
-def serve_local(engine_args: list[str], host: str, port: int, router_args: list[str],
-                transfer_ttl_s: float, model: str | None, start_timeout_s: float = 600.0) -> int:
-    """Run until SIGINT / SIGTERM. `engine_args` are worker CLI flags (--model, --dtype...)."""
+def worker_args(cfg: ServingConfig, role: str) -> list[str]:
+    """`kvmesh worker` arguments for one replica of `role`: the role's whole engine config
+    travels as JSON, so no option can be lost on the way."""
+    args = ["-m", "kvmesh.cli", "worker", "--role", role, "--host", "127.0.0.1", "--port", "0",
+            "--model-id", cfg.model_id, "--transfer-ttl", str(cfg.transfer_ttl_s),
+            "--config-json", cfg.engine_for(role).model_dump_json()]
+    if cfg.tracing.otlp_endpoint:
+        args += ["--otlp-endpoint", cfg.tracing.otlp_endpoint]
+    return args
+
+
+def router_args(cfg: ServingConfig, worker_addresses: list[str], http: bool) -> list[str]:
+    args = ["-m", "kvmesh.cli", "router", "--host", cfg.host, "--port", str(cfg.grpc_port),
+            "--model-id", cfg.model_id, "--config-json", cfg.router.config.model_dump_json()]
+    if cfg.engine.model.model:
+        args += ["--model", cfg.engine.model.model]
+    if http:
+        args += ["--http-port", str(cfg.http_port)]
+    if cfg.tracing.otlp_endpoint:
+        args += ["--otlp-endpoint", cfg.tracing.otlp_endpoint]
+    for address in worker_addresses:
+        args += ["--worker", address]
+    return args
+
+
+def serve_local(cfg: ServingConfig, http: bool = False, start_timeout_s: float = 600.0) -> int:
+    """Run `cfg` as OS processes until SIGINT / SIGTERM: each role's replicas (prefill +
+    decode, or unified), then the router over their addresses. `http` also serves the
+    OpenAI API on cfg.http_port."""
     stop_requested = threading.Event()
 
     def on_signal(signum, frame):
@@ -75,19 +103,18 @@ def serve_local(engine_args: list[str], host: str, port: int, router_args: list[
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     children: list[Child] = []
     try:
-        # Both workers load their model at the same time.
-        for role in ("prefill", "decode"):
-            children.append(spawn(role, ["-m", "kvmesh.worker.server", "--role", role, "--host", "127.0.0.1",
-                                          "--port", "0", "--transfer-ttl", str(transfer_ttl_s), *engine_args]))
+        # Every worker loads its model at the same time.
+        for role, workload in cfg.roles().items():
+            for i in range(workload.replicas):
+                name = role if workload.replicas == 1 else f"{role}-{i}"
+                children.append(spawn(name, worker_args(cfg, role)))
+        if not children:
+            raise ValueError("serve --local: no worker replicas to start; set --decode-replicas >= 1")
         for c in children:
             wait_ready(c, start_timeout_s)
-        rargs = ["-m", "kvmesh.router", "--host", host, "--port", str(port), *router_args]
-        if model:
-            rargs += ["--model", model]
-        for c in children:
-            rargs += ["--worker", c.address]
-        children.append(wait_ready(spawn("router", rargs), start_timeout_s))
-        print(f"kvmesh local: router (kvmesh.v1.LLM) at {children[-1].address}", flush=True)
+        router = wait_ready(spawn("router", router_args(cfg, [c.address for c in children], http)), start_timeout_s)
+        children.append(router)
+        print(f"kvmesh local: router (kvmesh.v1.LLM) at {router.address}", flush=True)
         for c in children[:-1]:
             print(f"kvmesh local: {c.name} worker (kvmesh.v1.Worker) at {c.address}", flush=True)
         print("kvmesh local: Ctrl-C to stop", flush=True)

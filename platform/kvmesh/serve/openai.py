@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
-from kvmesh.serve.protocol import CHANNEL_OPTIONS
+from kvmesh.rpc import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class GrpcBackend:
         self.timeout_s = timeout_s
         self._stub: llm_pb2_grpc.LLMStub | None = None
         self._channel: grpc.aio.Channel | None = None
-        from kvmesh.serve.auth import api_key, bearer_metadata
+        from kvmesh.rpc.auth import api_key, bearer_metadata
 
         self.metadata = bearer_metadata(api_key())  # the router checks the same key
 
@@ -292,7 +292,7 @@ def create_app(get_backend: Callable[[], GrpcBackend], metrics: Callable[[], tup
         msg = f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg", exc))
         return JSONResponse(APIError(400, msg, param=loc or None).body(), status_code=400)
 
-    from kvmesh.serve.auth import api_key, authorized
+    from kvmesh.rpc.auth import api_key, authorized
 
     key = api_key()
 

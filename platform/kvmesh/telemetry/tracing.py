@@ -23,14 +23,13 @@ import asyncio
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-if TYPE_CHECKING:
-    from kvmesh.serve.config import TracingConfig
+from kvmesh.config import TracingConfig
 
 logger = logging.getLogger(__name__)
 

@@ -25,15 +25,12 @@ import torch
 
 from kvmesh._proto import worker_pb2, worker_pb2_grpc
 from kvmesh.engine.request import Request
+from kvmesh.errors import KVTransferError
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
-
-
-class KVTransferError(RuntimeError):
-    """A pull that cannot be used (corrupt chunk, wrong layout, wrong model)."""
 
 
 # -- prefill side: held transfers -------------------------------------------------

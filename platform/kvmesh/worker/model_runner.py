@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvmesh.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledSeq
+from kvmesh.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from kvmesh.layers.attention import SeqSpan, get_attention_backend
 from kvmesh.models.arch import ArchConfig
-from kvmesh.worker.attention import SeqSpan, get_attention_backend
 from kvmesh.worker.sampler import sample
 from kvmesh.worker.spec_decode import verify
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# EngineConfig.model.dtype -> torch dtype
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass

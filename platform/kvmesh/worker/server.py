@@ -6,16 +6,15 @@ router; every worker answers every RPC. The engine is touched only by its step l
 or through `AsyncLLMEngine.run_between_steps` (held-KV release, block reads, cache
 snapshots), never concurrently with a step.
 
-Run one: `python -m kvmesh.worker.server --role decode --port 50061 --model DIR`.
+Built by `kvmesh.build.build_worker`; run one with `kvmesh worker --role decode --port 50061
+--model DIR`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -29,15 +28,28 @@ from kvmesh.engine.async_engine import AsyncLLMEngine
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError
-from kvmesh.serve.protocol import (
-    CHANNEL_OPTIONS, StatusError, abort_with, add_health_and_reflection, output_to_proto,
-    params_from_proto, prompt_cache_id, prompt_from_request, run_until_signalled, set_serving,
+from kvmesh.rpc import (
+    CHANNEL_OPTIONS,
+    StatusError,
+    abort_with,
+    add_health_and_reflection,
+    output_to_proto,
+    params_from_proto,
+    prompt_cache_id,
+    prompt_from_request,
+    set_serving,
 )
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import start_metrics_server
 from kvmesh.telemetry.workers import CLUSTER, CacheSourceTracker, loop_source
 from kvmesh.worker.kv_transfer import (
-    KVTransferError, PulledKVLoader, TransferTable, blocks_per_chunk, make_chunk, make_layout, pull_kv,
+    KVTransferError,
+    PulledKVLoader,
+    TransferTable,
+    blocks_per_chunk,
+    make_chunk,
+    make_layout,
+    pull_kv,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,16 +93,19 @@ class _Counters:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, aengine: AsyncLLMEngine, config: WorkerServerConfig, address: str):
+    """`loader` must be (part of) the engine's KV loader chain: Decode stages pulled KV
+    there; `cache_sources` (the chain's outer end) says where reused KV came from."""
+
+    def __init__(self, aengine: AsyncLLMEngine, config: WorkerServerConfig, address: str,
+                 loader: PulledKVLoader, cache_sources: CacheSourceTracker):
         self.aengine = aengine
         self.engine = aengine.engine
+        self.runner = self.engine.executor.runner
         self.config = config
         self.address = address
         self.transfers = TransferTable(config.transfer_ttl_s)
-        self.loader = PulledKVLoader(self.engine.runner, self.engine.config.cache.block_size,
-                                     inner=self.engine.scheduler.kv_loader)
-        self.cache_sources = CacheSourceTracker(self.loader)
-        self.engine.scheduler.kv_loader = self.cache_sources
+        self.loader = loader
+        self.cache_sources = cache_sources
         self.counters = _Counters()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -201,7 +216,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "model fingerprint mismatch: this worker holds KV of a different model, "
                                 "dtype or block size than the puller; route P/D pairs within one model")
-        runner = self.engine.runner
+        runner = self.runner
         layout = make_layout(runner, len(held.block_ids), held.num_tokens, self.engine.fingerprint)
         step = blocks_per_chunk(runner, request.max_chunk_bytes)
         held.pulls_in_flight += 1
@@ -259,7 +274,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         attrs = {"kvmesh.transfer_id": request.transfer_id, "kvmesh.source": request.source_address}
         with tracing.client_span("kvmesh.kv_transfer.pull", span, attrs) as pull_span:
             try:
-                pulled = await pull_kv(self._channel(request.source_address), self.engine.runner,
+                pulled = await pull_kv(self._channel(request.source_address), self.runner,
                                        request.transfer_id, self.engine.fingerprint, timeout)
             except (grpc.aio.AioRpcError, KVTransferError) as exc:
                 self.counters.kv_pull_failures += 1
@@ -329,7 +344,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 class WorkerServer:
     """A started worker: gRPC server, servicer and the TTL sweeper."""
 
-    def __init__(self, aengine: AsyncLLMEngine, config: WorkerServerConfig):
+    def __init__(self, aengine: AsyncLLMEngine, config: WorkerServerConfig, loader: PulledKVLoader,
+                 cache_sources: CacheSourceTracker):
         self.aengine = aengine
         self.config = config
         self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
@@ -337,7 +353,7 @@ class WorkerServer:
         if self.port == 0:
             raise OSError(f"could not listen on {config.host}:{config.port}; pick another --port")
         self.address = f"{config.host}:{self.port}"
-        self.servicer = WorkerServicer(aengine, config, self.address)
+        self.servicer = WorkerServicer(aengine, config, self.address, loader, cache_sources)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self._sweeper: asyncio.Task | None = None
@@ -364,50 +380,3 @@ class WorkerServer:
         for ch in self.servicer._channels.values():
             await ch.close()
         await self.aengine.shutdown()
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from kvmesh.cli import _add_engine_args
-
-    p = argparse.ArgumentParser(prog="python -m kvmesh.worker.server", description="kvmesh gRPC worker")
-    p.add_argument("--role", default="unified", choices=["prefill", "decode", "unified"])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
-    p.add_argument("--model-id", default="kvmesh")
-    p.add_argument("--transfer-ttl", type=float, default=30.0, help="seconds prefilled KV waits for a pull")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
-    p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans here (OTLP/gRPC; default off)")
-    _add_engine_args(p)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    from kvmesh.cli import _engine_config
-
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = WorkerServerConfig(role=args.role, host=args.host, port=args.port, model_id=args.model_id,
-                                transfer_ttl_s=args.transfer_ttl, metrics_port=args.metrics_port)
-    if args.otlp_endpoint:
-        from kvmesh.serve.config import TracingConfig
-        from kvmesh.telemetry.tracing import configure_tracing
-
-        configure_tracing(TracingConfig(otlp_endpoint=args.otlp_endpoint, service_name=f"kvmesh-{args.role}"))
-    aengine = AsyncLLMEngine.from_config(_engine_config(args), progress=False)
-
-    async def run() -> None:
-        server = WorkerServer(aengine, config)
-
-        async def start() -> None:
-            await server.start()
-            # One parseable line: launchers and tests wait for it.
-            print(f"KVMESH_WORKER_READY role={config.role} address={server.address}", flush=True)
-
-        await run_until_signalled(start, server.stop)
-
-    asyncio.run(run())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

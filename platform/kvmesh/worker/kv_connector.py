@@ -14,7 +14,7 @@ from collections import Counter
 
 import torch
 
-from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.hashing import block_hashes
 from kvmesh.engine.outputs import SchedulerOutput
 from kvmesh.engine.request import Request
 from kvmesh.kvstore.base import KVStore
@@ -33,11 +33,13 @@ def bytes_to_block(payload, shape: tuple[int, ...], dtype: torch.dtype) -> torch
 
 
 class StoreConnector:
-    def __init__(self, store: KVStore, codec: BlockCodec, kv: KVCacheManager, runner, ttl_s: float | None,
+    """The engine's KVConnector (engine.interfaces) over a KVStore (kvstore.base)."""
+
+    def __init__(self, store: KVStore, codec: BlockCodec, runner, ttl_s: float | None,
                  queue_size: int = 64):
-        self.store, self.codec, self.kv, self.runner = store, codec, kv, runner
+        self.store, self.codec, self.runner = store, codec, runner
         self.ttl_s = ttl_s
-        self.block_size = kv.block_size
+        self.block_size = codec.block_size
         self.shape = (codec.num_layers, 2, codec.block_size, codec.kv_heads, codec.head_dim)
         self.dtype = runner.dtype
         self.counters: Counter[str] = Counter()
@@ -51,7 +53,7 @@ class StoreConnector:
 
     def lookup(self, request: Request, num_local_tokens: int) -> int:
         bs = self.block_size
-        self.kv.update_block_hashes(request)
+        self._update_hashes(request)
         first, last = num_local_tokens // bs, (request.num_tokens - 1) // bs
         hashes = request.block_hashes[first:last]
         self._pending.pop(request.request_id, None)
@@ -106,7 +108,7 @@ class StoreConnector:
                 self._saved[req.request_id] = max(full, saved)
             if full <= saved:
                 continue
-            self.kv.update_block_hashes(req)
+            self._update_hashes(req)
             # seq.block_ids is the table as scheduled: still valid for a request that
             # finished this step (its freed blocks are not reused before the next step).
             data = self.runner.read_blocks(seq.block_ids[saved:full])
@@ -116,6 +118,28 @@ class StoreConnector:
                 for i in range(saved, full)
             ]
             self.enqueue(items, self.ttl_s)
+
+    def _update_hashes(self, request: Request) -> None:
+        # The same chained hashes the engine's prefix cache computes (and caches on the request).
+        request.block_hashes = block_hashes(request.all_token_ids, self.block_size, self.codec.fingerprint,
+                                            request.block_hashes)
+
+    def pin_prompt(self, token_ids: list[int], block_ids: list[int]) -> list[bytes]:
+        """Write the prompt's full blocks without TTL (synchronously, after queued writes)
+        and pin them in the store; returns their keys."""
+        hashes = block_hashes(token_ids, self.block_size, self.codec.fingerprint)
+        keys = [block_key(self.codec.fingerprint, h) for h in hashes]
+        self.flush()
+        if not keys:
+            return keys
+        data = self.runner.read_blocks(block_ids[: len(hashes)])
+        self.store.put_many([(k, self.codec.encode(block_to_bytes(data[:, :, i]))) for i, k in enumerate(keys)], None)
+        self.store.pin(keys)
+        return keys
+
+    def unpin(self, keys: list[bytes]) -> None:
+        """Pinned keys get the connector's TTL back."""
+        self.store.unpin(keys, self.ttl_s)
 
     def enqueue(self, items: list[tuple[bytes, bytes]], ttl_s: float | None) -> bool:
         try:

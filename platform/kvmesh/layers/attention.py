@@ -178,14 +178,14 @@ def get_attention_backend(name: str, block_size: int, device: torch.device) -> A
     if name == "auto":
         name = "torch"
         if device.type == "cpu":
-            from kvmesh.worker import cpu_kernels
+            from kvmesh.layers import cpu_kernels
 
             if cpu_kernels.load():
                 name = "cpu"
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} unknown; choose from {sorted(BACKENDS)} or auto")
     if name == "cpu":
-        from kvmesh.worker import cpu_kernels
+        from kvmesh.layers import cpu_kernels
 
         if not cpu_kernels.load():
             raise ValueError("attention backend 'cpu' needs the C++ kernels, which failed to build")

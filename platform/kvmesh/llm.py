@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from tqdm import tqdm
+
+from kvmesh.build import build_engine
+from kvmesh.compress import CompressionOptions, compress_prompt, parse_options
 from kvmesh.config import EngineConfig
-from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from kvmesh.compress.options import CompressionOptions
+from kvmesh.errors import InvalidRequestError
 
 
 class LLM:
@@ -22,7 +23,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, progress: bool = True, **kwargs):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs), progress=progress)
+        self.engine = build_engine(EngineConfig.from_kwargs(model=model, **kwargs), progress=progress)
         self._counter = 0
 
     @property
@@ -56,15 +57,26 @@ class LLM:
         try:
             for prompt, p, c in zip(prompts, params, compression):
                 self._counter += 1
-                ids.append(self.engine.add_request(f"llm-{self._counter}", prompt, p, compression=c))
+                ids.append(self._add(f"llm-{self._counter}", prompt, p, c))
         except Exception:
             self.engine.abort(ids)
             raise
         return self._run(ids, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        from tqdm import tqdm
+    def _add(self, request_id: str, prompt, params: SamplingParams,
+             compression: CompressionOptions | dict | None) -> str:
+        if compression is None:
+            return self.engine.add_request(request_id, prompt, params)
+        # Compression runs before the request is queued: its time counts in TTFT.
+        arrival = time.monotonic()
+        opts = parse_options(compression)
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequestError("compression", "needs a text prompt with <context>...</context> spans")
+        original = len(self.engine.encode(prompt))
+        text = compress_prompt(prompt, opts, tokenizer=self.engine.tokenizer).text
+        return self.engine.add_request(request_id, text, params, arrival_time=arrival, original_prompt_tokens=original)
 
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished():

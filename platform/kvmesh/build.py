@@ -1,0 +1,180 @@
+"""The composition root: the only place that loads models, sizes the KV cache and wires
+executors, proposers, KV store connectors and P/D loaders into engines and workers.
+
+Everything below is built by constructor arguments; nothing is rewired afterwards.
+
+    build_engine(config)                      -> LLMEngine (offline, `kvmesh generate`)
+    build_async_engine(config)                -> AsyncLLMEngine
+    build_worker(config, WorkerServerConfig)  -> WorkerServer (gRPC worker, not started)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvmesh.checkpoint.files import load_tokenizer, model_fingerprint, resolve_model_path
+from kvmesh.config import EngineConfig, SpeculativeConfig
+from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.interfaces import ModelInfo
+from kvmesh.errors import ConfigError
+from kvmesh.kvstore import BlockCodec, create_store
+from kvmesh.models.arch import ArchConfig
+from kvmesh.models.loader import load_arch_config
+from kvmesh.quant.loader import load_model, quantization_id
+from kvmesh.telemetry.workers import CacheSourceTracker
+from kvmesh.worker.executor import Executor, Proposer
+from kvmesh.worker.kv_connector import StoreConnector
+from kvmesh.worker.kv_transfer import PulledKVLoader
+from kvmesh.worker.model_runner import DTYPES, KVCacheSpec, ModelRunner
+from kvmesh.worker.server import WorkerServer, WorkerServerConfig
+from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """What `build_parts` made: the pieces an engine (or a worker) is wired from."""
+
+    config: EngineConfig
+    tokenizer: object
+    info: ModelInfo
+    arch: ArchConfig
+    executor: Executor
+    connector: StoreConnector | None
+
+
+def build_parts(config: EngineConfig | None = None, progress: bool = True) -> EngineParts:
+    """Load the model and tokenizer, size the KV cache, build runner, proposer and the
+    shared-store connector."""
+    config = config or EngineConfig()
+    mc, cc = config.model, config.cache
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = torch.device(mc.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("model.device: CUDA requested but torch sees no GPU; use --device cpu")
+    path = resolve_model_path(mc.model, progress=progress)
+    tokenizer = load_tokenizer(path if mc.tokenizer is None else resolve_model_path(mc.tokenizer))
+    dtype = DTYPES[mc.dtype]
+    arch = load_arch_config(path)
+    limit = arch.max_position_embeddings
+    if arch.sliding_window:
+        # The reference backend has no sliding-window attention: stay inside it.
+        limit = min(limit, arch.sliding_window)
+    if mc.max_model_len is not None and mc.max_model_len > arch.max_position_embeddings:
+        raise ConfigError(
+            f"model.max_model_len: {mc.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({arch.max_position_embeddings})"
+        )
+    max_model_len = mc.max_model_len or limit
+    model, arch = load_model(path, dtype, device, max_model_len + 1, mc.quantization, mc.quantization_group_size)
+    spec = KVCacheSpec(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+    num_blocks = cc.num_blocks or _auto_num_blocks(config, spec, device)
+    capacity = (num_blocks - 1) * cc.block_size
+    if capacity < max_model_len:
+        if mc.max_model_len is not None:
+            raise ConfigError(
+                f"cache: {num_blocks} blocks of {cc.block_size} tokens hold {capacity} tokens, "
+                f"less than max_model_len={max_model_len}; raise cache.num_blocks / "
+                "kv_cache_memory_gb or lower max_model_len"
+            )
+        max_model_len = capacity
+    fingerprint = model_fingerprint(
+        path, {"dtype": mc.dtype, "block_size": cc.block_size,
+               "quantization": quantization_id(path, mc.quantization, mc.quantization_group_size)}
+    )
+    runner = ModelRunner(model, arch, cc.block_size, num_blocks, device, seed=mc.seed,
+                         attention_backend=config.attention_backend)
+    proposer = None
+    if config.speculative is not None:
+        proposer = _build_proposer(config, config.speculative, path, model, arch, max_model_len, num_blocks)
+    connector = None
+    if config.kv_store:
+        codec = BlockCodec(fingerprint, mc.dtype, cc.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim)
+        connector = StoreConnector(create_store(config.kv_store), codec, runner, config.kv_store_ttl_s)
+    info = ModelInfo(path=str(path), fingerprint=fingerprint, vocab_size=arch.vocab_size,
+                     max_model_len=max_model_len, eos_token_id=_eos_token_id(tokenizer, arch))
+    logger.info("kvmesh engine: %s, %d KV blocks x %d tokens, max_model_len %d",
+                path, num_blocks, cc.block_size, max_model_len)
+    return EngineParts(config, tokenizer, info, arch, Executor(runner, proposer), connector)
+
+
+def build_engine(config: EngineConfig | None = None, progress: bool = True, **kwargs) -> LLMEngine:
+    """An LLMEngine for `config` (or flat EngineConfig keyword arguments), prompt cache warmed."""
+    parts = build_parts(_config(config, kwargs), progress)
+    return _warm(LLMEngine(parts.config, parts.executor, parts.tokenizer, parts.info,
+                           kv_connector=parts.connector))
+
+
+def build_async_engine(config: EngineConfig | None = None, progress: bool = True, **kwargs) -> AsyncLLMEngine:
+    return AsyncLLMEngine(build_engine(config, progress, **kwargs))
+
+
+def build_worker(config: EngineConfig | None, server_config: WorkerServerConfig | None = None,
+                 progress: bool = False) -> WorkerServer:
+    """A gRPC worker (not started). Its engine's KV loader is a chain: KV pulled from a
+    prefill worker if staged for the request, else the shared store; a tracker notes
+    which source served each request (cache-source metrics)."""
+    parts = build_parts(config, progress)
+    pulled = PulledKVLoader(parts.executor.runner, parts.config.cache.block_size, inner=parts.connector)
+    sources = CacheSourceTracker(pulled)
+    engine = _warm(LLMEngine(parts.config, parts.executor, parts.tokenizer, parts.info,
+                             kv_loader=sources, kv_connector=parts.connector))
+    return WorkerServer(AsyncLLMEngine(engine), server_config or WorkerServerConfig(), pulled, sources)
+
+
+def _config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
+    if config is not None and kwargs:
+        return config.with_overrides(**kwargs)
+    return config if config is not None else EngineConfig.from_kwargs(**kwargs)
+
+
+def _warm(engine: LLMEngine) -> LLMEngine:
+    for entry in engine.config.prompt_cache:
+        engine.cache_prompt(entry.name, entry.text if entry.text is not None else entry.token_ids, entry.ttl_s)
+    return engine
+
+
+def _build_proposer(config: EngineConfig, spec: SpeculativeConfig, path: Path, model, arch: ArchConfig,
+                    max_model_len: int, num_blocks: int) -> Proposer:
+    if spec.method == "ngram":
+        return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+    mc = config.model
+    device = torch.device(mc.device)
+    if spec.model == "self" and spec.quantization is None:
+        draft, draft_arch = model, arch  # shares weights; only the KV cache is separate
+    else:
+        # A quantized copy of the target ("self" + quantization) is a cheap, well
+        # aligned draft; any other folder must share the target's tokenizer.
+        draft_path = path if spec.model == "self" else resolve_model_path(spec.model)
+        draft, draft_arch = load_model(draft_path, DTYPES[mc.dtype], device,
+                                       max_model_len + spec.num_speculative_tokens + 1,
+                                       quantization=spec.quantization)
+        if draft_arch.vocab_size != arch.vocab_size:
+            raise ConfigError(
+                f"speculative.model: draft vocab {draft_arch.vocab_size} != target vocab "
+                f"{arch.vocab_size}; a draft must share the target's tokenizer")
+    runner = ModelRunner(draft, draft_arch, config.cache.block_size, num_blocks, device,
+                         seed=mc.seed + 1, attention_backend=config.attention_backend)
+    return DraftModelProposer(runner, spec.num_speculative_tokens)
+
+
+def _auto_num_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * config.cache.kv_cache_memory_fraction)
+    else:
+        budget = int(config.cache.kv_cache_memory_gb * (1 << 30))
+    return max(budget // spec.bytes_per_block, 2)
+
+
+def _eos_token_id(tokenizer, arch: ArchConfig) -> int | None:
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    return arch.eos_token_ids[0] if arch.eos_token_ids else None

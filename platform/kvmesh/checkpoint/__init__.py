@@ -1,0 +1,2 @@
+"""Local model files (no torch at import): the embedded default model, checkpoint folders,
+fingerprints and tokenizers."""

@@ -1,0 +1,137 @@
+"""Command-line flags generated from the typed configs, in one place (as vLLM's
+`EngineArgs.add_cli_args` does): every EngineConfig field is a flag with its
+description, default and choices, so a new field needs no CLI code.
+
+Flags default to "not given": a parsed namespace yields only what the user typed, as
+flat overrides (`EngineConfig.with_overrides`) on top of a base config (defaults, or a
+--config file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from kvmesh.config import EngineConfig, SpeculativeConfig
+
+# Sections whose fields are flattened without a prefix (their names are unique).
+_FLAT_SECTIONS = ("model", "cache", "scheduler")
+# The one nested optional section: `--speculative METHOD` turns it on.
+_SPEC = "speculative"
+
+# Flag names that differ from `--field-name` (kept for the flags users already know).
+_NAMES: dict[tuple[str, ...], list[str]] = {
+    ("num_threads",): ["--threads", "--num-threads"],
+    ("model", "seed"): ["--engine-seed"],  # --seed is the request's sampling seed
+    ("model", "quantization_group_size"): ["--group-size", "--quantization-group-size"],
+    (_SPEC, "method"): ["--speculative", "--speculative-method"],
+    (_SPEC, "model"): ["--draft-model", "--speculative-model"],
+    (_SPEC, "quantization"): ["--draft-quantization", "--speculative-quantization"],
+    (_SPEC, "num_speculative_tokens"): ["--num-speculative-tokens"],
+}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One EngineConfig field as a command-line flag."""
+
+    path: tuple[str, ...]  # ("cache", "block_size"), ("num_threads",), ("speculative", "method")
+    options: tuple[str, ...]  # ("--block-size",)
+
+    @property
+    def dest(self) -> str:
+        return "engine__" + "__".join(self.path)
+
+
+def _unwrap(annotation: Any) -> Any:
+    """`X | None` -> X."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+def _fields(model: type[BaseModel], prefix: tuple[str, ...] = ()):
+    for name, field in model.model_fields.items():
+        path = (*prefix, name)
+        kind = _unwrap(field.annotation)
+        if isinstance(kind, type) and issubclass(kind, BaseModel) and not prefix:
+            yield from _fields(kind, path)
+        else:
+            yield path, field, kind
+
+
+def engine_flags() -> list[Flag]:
+    """Every leaf field of EngineConfig, with its flag names."""
+    out = []
+    for path, _, _ in _fields(EngineConfig):
+        if path in _NAMES:
+            options = _NAMES[path]
+        elif path[0] == _SPEC:
+            options = ["--speculative-" + path[-1].replace("_", "-")]
+        else:
+            options = ["--" + path[-1].replace("_", "-")]
+        out.append(Flag(path, tuple(options)))
+    return out
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per EngineConfig field (group "engine")."""
+    group = parser.add_argument_group("engine", "EngineConfig fields (kvmesh.config); unset flags keep the "
+                                      "config's value")
+    kinds = {path: (field, kind) for path, field, kind in _fields(EngineConfig)}
+    for flag in engine_flags():
+        field, kind = kinds[flag.path]
+        help_text = (field.description or "").replace("%", "%%")
+        default = field.get_default(call_default_factory=True)
+        if typing.get_origin(kind) is Literal:
+            choices = list(typing.get_args(kind))
+            group.add_argument(*flag.options, dest=flag.dest, choices=choices, default=argparse.SUPPRESS,
+                               help=f"{help_text} (default: {default})")
+        elif kind is bool:
+            group.add_argument(*flag.options, dest=flag.dest, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=f"{help_text} (default: {default})")
+        elif kind in (int, float, str):
+            group.add_argument(*flag.options, dest=flag.dest, type=kind, default=argparse.SUPPRESS,
+                               metavar=kind.__name__.upper(), help=f"{help_text} (default: {default})")
+        else:  # lists of entries (prompt_cache): JSON
+            group.add_argument(*flag.options, dest=flag.dest, type=json.loads, default=argparse.SUPPRESS,
+                               metavar="JSON", help=f"{help_text} As JSON.")
+    # Legacy spelling of --no-enable-prefix-caching.
+    group.add_argument("--no-prefix-caching", dest="engine__cache__enable_prefix_caching",
+                       action="store_false", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags the user gave, as flat EngineConfig overrides (speculative nested)."""
+    flat: dict[str, Any] = {}
+    spec: dict[str, Any] = {}
+    for flag in engine_flags():
+        if not hasattr(args, flag.dest):
+            continue
+        value = getattr(args, flag.dest)
+        if flag.path[0] == _SPEC:
+            spec[flag.path[-1]] = value
+        else:
+            flat[flag.path[-1]] = value
+    if spec:
+        flat[_SPEC] = spec
+    return flat
+
+
+def engine_config(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
+    """`base` (default: EngineConfig()) with the given flags applied, validated."""
+    base = base or EngineConfig()
+    overrides = engine_overrides(args)
+    if _SPEC in overrides:
+        merged = {**(base.speculative.model_dump() if base.speculative else {}), **overrides[_SPEC]}
+        if "method" not in merged:
+            raise ValueError("speculative: set --speculative METHOD (ngram or draft) to use speculative decoding")
+        overrides[_SPEC] = SpeculativeConfig(**merged)
+    return base.with_overrides(**overrides)

@@ -1,0 +1,137 @@
+"""`kvmesh worker` and `kvmesh router`: one gRPC worker or router as an OS process (what
+`kvmesh serve --local` launches, and what tests and benchmarks start).
+
+A worker takes its whole EngineConfig as JSON (`--config-json`, as the local launcher
+passes it) and/or engine flags on top; the router takes its RouterConfig the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+
+from kvmesh.build import build_worker
+from kvmesh.checkpoint.files import load_tokenizer, resolve_model_path
+from kvmesh.cli.args import add_engine_args, engine_config
+from kvmesh.config import EngineConfig, TracingConfig
+from kvmesh.router.config import RouterConfig
+from kvmesh.router.registry import StaticRegistry
+from kvmesh.router.server import RouterServer
+from kvmesh.rpc import run_until_signalled
+from kvmesh.serve.openai import GrpcBackend, create_app, serve_http_in_thread
+from kvmesh.telemetry.metrics import exposition
+from kvmesh.telemetry.tracing import configure_tracing
+from kvmesh.worker.server import WorkerServerConfig
+
+
+def _log_setup() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+
+
+# -- worker ---------------------------------------------------------------------------------
+
+
+def add_worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="run one gRPC worker (kvmesh.v1.Worker) in this process")
+    p.add_argument("--role", default="unified", choices=["prefill", "decode", "unified"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
+    p.add_argument("--model-id", default="kvmesh")
+    p.add_argument("--transfer-ttl", type=float, default=30.0, help="seconds prefilled KV waits for a pull")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
+    p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans here (OTLP/gRPC; default off)")
+    p.add_argument("--config-json", default=None,
+                   help="the whole EngineConfig as JSON (engine flags given too override it)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_worker)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    _log_setup()
+    base = EngineConfig.model_validate_json(args.config_json) if args.config_json else None
+    config = WorkerServerConfig(role=args.role, host=args.host, port=args.port, model_id=args.model_id,
+                                transfer_ttl_s=args.transfer_ttl, metrics_port=args.metrics_port)
+    if args.otlp_endpoint:
+        configure_tracing(TracingConfig(otlp_endpoint=args.otlp_endpoint, service_name=f"kvmesh-{args.role}"))
+    server = build_worker(engine_config(args, base), config)
+
+    async def start() -> None:
+        await server.start()
+        # One parseable line: launchers and tests wait for it.
+        print(f"KVMESH_WORKER_READY role={config.role} address={server.address}", flush=True)
+
+    asyncio.run(run_until_signalled(start, server.stop))
+    return 0
+
+
+# -- router ---------------------------------------------------------------------------------
+
+
+def add_router_parser(sub) -> None:
+    p = sub.add_parser("router", help="run the gRPC router (kvmesh.v1.LLM) over static worker addresses")
+    p.add_argument("--worker", action="append", required=True, help="worker address HOST:PORT (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
+    p.add_argument("--model", default=None, help="checkpoint folder, for the tokenizer (default: embedded model)")
+    p.add_argument("--model-id", default="kvmesh")
+    p.add_argument("--config", default=None, help="RouterConfig as a JSON file")
+    p.add_argument("--config-json", default=None, help="RouterConfig as JSON")
+    p.add_argument("--pd-threshold-tokens", type=int, default=None, help="overrides the config's value")
+    p.add_argument("--picker", default=None, help="overrides the config's picker (e.g. round_robin)")
+    p.add_argument("--min-workers", type=int, default=None, help="workers to wait for (default: all)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus /metrics (router + every worker's stats) on this port (0 = off)")
+    p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans here (OTLP/gRPC; default off)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API on this port (default: off)")
+    p.set_defaults(func=cmd_router)
+
+
+def start_http(router: RouterServer, tokenizer, model_id: str, host: str, port: int):
+    """The OpenAI-compatible HTTP API in this process, over loopback gRPC to `router`."""
+    target = f"127.0.0.1:{router.port}" if host in ("0.0.0.0", "127.0.0.1") else router.address
+    backend = GrpcBackend(target, tokenizer, model_id)
+    return serve_http_in_thread(create_app(lambda: backend, exposition), host, port)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    _log_setup()
+    raw = {}
+    if args.config:
+        with open(args.config) as f:
+            raw = json.load(f)
+    if args.config_json:
+        raw = json.loads(args.config_json)
+    if args.pd_threshold_tokens is not None:
+        raw["pd_threshold_tokens"] = args.pd_threshold_tokens
+    if args.picker is not None:
+        raw["picker"] = args.picker
+    config = RouterConfig(**raw)
+    if args.otlp_endpoint:
+        configure_tracing(TracingConfig(otlp_endpoint=args.otlp_endpoint, service_name="kvmesh-router"))
+    tokenizer = load_tokenizer(resolve_model_path(args.model, progress=False))
+
+    async def run() -> None:
+        router = RouterServer(StaticRegistry(args.worker), tokenizer, config, args.model_id, args.host, args.port,
+                              metrics_port=args.metrics_port)
+        http = None
+
+        async def start() -> None:
+            nonlocal http
+            await router.start(min_workers=args.min_workers or len(args.worker))
+            if args.http_port is not None:
+                http = start_http(router, tokenizer, args.model_id, args.host, args.http_port)
+                print(f"KVMESH_ROUTER_HTTP url=http://{args.host}:{http.config.port}", flush=True)
+            print(f"KVMESH_ROUTER_READY address={router.address}", flush=True)
+
+        async def stop() -> None:
+            if http is not None:
+                http.should_exit = True
+            await router.stop()
+
+        await run_until_signalled(start, stop)
+
+    asyncio.run(run())
+    return 0

@@ -1,0 +1,110 @@
+"""`kvmesh serve`: the typed ServingConfig (defaults, --config FILE, then flags) deployed
+on Ray Serve, or with --local as plain processes on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+
+from kvmesh.cli.args import add_engine_args, engine_overrides
+from kvmesh.serve.config import ServingConfig
+from kvmesh.serve.local import serve_local
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve gRPC (kvmesh.v1.LLM) and OpenAI-compatible HTTP on Ray Serve")
+    s.add_argument("--config", default=None, help="serving config YAML (kvmesh.serve.config.ServingConfig)")
+    s.add_argument("--address", default=None,
+                   help="join this Ray cluster (e.g. auto, ray://head:10001); default: start a local Ray instance")
+    s.add_argument("--detach", action="store_true",
+                   help="deploy or update the app on --address and exit (e.g. to change replica counts)")
+    s.add_argument("--redis-url", default=None, help="shared KV store redis://host:port/db (default: in-memory)")
+    s.add_argument("--prefill-replicas", type=int, default=None,
+                   help="prefill replicas; > 0 means disaggregated prefill/decode (default: from config, 0; "
+                        "--local: 1)")
+    s.add_argument("--decode-replicas", type=int, default=None, help="decode (or unified) replicas")
+    s.add_argument("--local", action="store_true",
+                   help="no Ray: router and worker replicas as processes on this machine (default: one prefill "
+                        "and one decode worker)")
+    s.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
+    s.add_argument("--http-port", type=int, default=None, help="HTTP port (default 8000; --local: off unless set)")
+    s.add_argument("--pd-threshold-tokens", type=int, default=None,
+                   help="prompts with fewer uncached tokens skip prefill/decode disaggregation (default 256)")
+    s.add_argument("--transfer-ttl", type=float, default=None, help="seconds prefilled KV waits for its decode")
+    s.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry traces (OTLP/gRPC); default off")
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
+    """`kvmesh serve` flags (+ --config FILE) -> ServingConfig."""
+    cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
+    data = cfg.model_dump()
+    overrides = engine_overrides(args)
+    if overrides:
+        spec = overrides.get("speculative")
+        if spec is not None:
+            merged = {**(cfg.engine.speculative.model_dump() if cfg.engine.speculative else {}), **spec}
+            if "method" not in merged:
+                raise ValueError("speculative: set --speculative METHOD (ngram or draft) to use speculative decoding")
+            overrides["speculative"] = merged
+        data["engine"] = cfg.engine.with_overrides(**overrides).model_dump()
+    for flag, key in (("host", "host"), ("port", "grpc_port"), ("http_port", "http_port"),
+                      ("transfer_ttl", "transfer_ttl_s")):
+        if getattr(args, flag) is not None:
+            data[key] = getattr(args, flag)
+    if args.redis_url:
+        data["kv_store"]["redis_url"] = args.redis_url
+    prefill = args.prefill_replicas
+    if prefill is None and args.local and not args.config:
+        prefill = 1  # --local's default shape: one prefill and one decode worker
+    if prefill is not None:
+        data["prefill"] = None if prefill == 0 else {**(data["prefill"] or {}), "replicas": prefill}
+    if args.decode_replicas is not None:
+        data["decode"] = {**data["decode"], "replicas": args.decode_replicas, "autoscaling": None}
+    if args.pd_threshold_tokens is not None:
+        data["router"]["config"]["pd_threshold_tokens"] = args.pd_threshold_tokens
+    if args.otlp_endpoint:
+        data["tracing"]["otlp_endpoint"] = args.otlp_endpoint
+    return ServingConfig.model_validate(data)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = serving_config_from_args(args)
+    if args.local:
+        return serve_local(cfg, http=args.http_port is not None)
+    # Ray is the one heavy optional import of the CLI: `generate`, `worker` and `--local` never load it.
+    from kvmesh.serve import app as ray_app
+
+    started = ray_app.start_ray(args.address, cfg)
+    mode = "disaggregated (prefill + decode)" if cfg.disaggregated else "unified"
+    print(f"kvmesh: deploying {cfg.name!r} ({mode}) on Ray; first start loads the model...", flush=True)
+    try:
+        ray_app.deploy(cfg)
+    except BaseException:
+        if started:
+            ray_app.shutdown(cfg, stop_ray=True)
+        raise
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
+    print(f"kvmesh: gRPC (kvmesh.v1.LLM) at {host}:{cfg.grpc_port}", flush=True)
+    print(f"kvmesh: OpenAI-compatible HTTP at http://{host}:{cfg.http_port}/v1", flush=True)
+    print(f"KVMESH_SERVE_READY grpc={host}:{cfg.grpc_port} http=http://{host}:{cfg.http_port}", flush=True)
+    if args.detach:
+        print("kvmesh: deployed; --detach leaves it running on the Ray cluster", flush=True)
+        return 0
+    # A plain list, not a threading.Event: Event.set() in a signal handler can deadlock
+    # on the lock that Event.wait() holds in the same (main) thread.
+    signals: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _: signals.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    print("kvmesh: Ctrl-C to stop", flush=True)
+    try:
+        while not signals:
+            time.sleep(0.2)
+    finally:
+        print("kvmesh: shutting down", flush=True)
+        ray_app.shutdown(cfg, stop_ray=started)
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 0

@@ -1,5 +1,0 @@
-import sys
-
-from kvmesh.router.server import main
-
-sys.exit(main())

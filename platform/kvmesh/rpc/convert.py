@@ -1,0 +1,91 @@
+"""Conversion between the gRPC messages (kvmesh._proto) and engine types, shared by the
+router and the workers: proto <-> SamplingParams, RequestOutput -> GenerateResponse.
+
+No torch here: the router imports this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable
+
+from kvmesh._proto import llm_pb2
+from kvmesh.engine.outputs import RequestOutput, TokenLogprobs
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.errors import InvalidRequestError
+
+
+def prompt_cache_id(token_ids: list[int]) -> str:
+    """Default CachePrompt id: the same prompt gets the same id on every worker."""
+    return "pc-" + hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()[:16]
+
+
+# proto field -> SamplingParams field, for the optional scalars (unset = engine default).
+_OPTIONAL_SCALARS = (
+    "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens",
+)
+
+
+def params_from_proto(msg: llm_pb2.SamplingParams) -> SamplingParams:
+    """Build validated SamplingParams; raises InvalidRequestError naming the field."""
+    kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)}
+    kwargs.update(
+        stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
+        include_stop_str_in_output=msg.include_stop_str_in_output, ignore_eos=msg.ignore_eos,
+    )
+    return SamplingParams(**kwargs)
+
+
+def params_to_proto(p: SamplingParams) -> llm_pb2.SamplingParams:
+    msg = llm_pb2.SamplingParams(
+        stop=p.stop, stop_token_ids=p.stop_token_ids,
+        include_stop_str_in_output=p.include_stop_str_in_output, ignore_eos=p.ignore_eos,
+    )
+    for name in _OPTIONAL_SCALARS:
+        value = getattr(p, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def logprobs_to_proto(items: Iterable[TokenLogprobs]) -> list[llm_pb2.TokenLogprob]:
+    return [
+        llm_pb2.TokenLogprob(
+            token_id=lp.token_id, logprob=lp.logprob,
+            top=[llm_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in items
+    ]
+
+
+def output_to_proto(out: RequestOutput, request_id: str, num_new_logprobs: int = 0) -> llm_pb2.GenerateResponse:
+    """One streamed message: the delta of `out`, plus finish reason and usage when done.
+
+    `num_new_logprobs` is how many entries at the end of the cumulative logprobs
+    list belong to this delta (the engine keeps them cumulative).
+    """
+    c = out.outputs[0]
+    msg = llm_pb2.GenerateResponse(request_id=request_id, text=c.delta_text, token_ids=c.delta_token_ids)
+    if c.logprobs and num_new_logprobs:
+        msg.logprobs.extend(logprobs_to_proto(c.logprobs[-num_new_logprobs:]))
+    if out.finished:
+        msg.finish_reason = c.finish_reason or ""
+        msg.stop_reason = "" if c.stop_reason is None else str(c.stop_reason)
+        msg.usage.CopyFrom(llm_pb2.Usage(
+            prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(c.token_ids),
+            cached_prompt_tokens=out.num_cached_tokens,
+        ))
+    return msg
+
+
+def prompt_from_request(req: llm_pb2.GenerateRequest) -> str | list[int]:
+    """The request's prompt: text or token ids, exactly one of them."""
+    if req.prompt and req.prompt_token_ids:
+        raise InvalidRequestError("prompt", "set either prompt or prompt_token_ids, not both")
+    if req.prompt_token_ids:
+        return list(req.prompt_token_ids)
+    if not req.prompt:
+        raise InvalidRequestError("prompt", "must not be empty: set prompt or prompt_token_ids")
+    return req.prompt

@@ -1,0 +1,55 @@
+"""The engine's ModelExecutor (engine.interfaces) for one model on one device: a
+ModelRunner plus an optional speculative proposer.
+
+Draft distributions travel from `propose` to the next `execute` inside the executor:
+the engine sees draft token ids only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from kvmesh.engine.request import Request
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
+
+Proposer = NgramProposer | DraftModelProposer
+
+
+class Executor:
+    def __init__(self, runner: ModelRunner, proposer: Proposer | None = None):
+        self.runner = runner
+        self.proposer = proposer
+        self.num_blocks = runner.num_blocks
+        self.block_size = runner.block_size
+        self.proposer_method = proposer.method if proposer is not None else None
+        self._draft_probs: dict[str, torch.Tensor | None] = {}
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        probs, self._draft_probs = self._draft_probs, {}
+        return self.runner.execute(sched, draft_probs=probs)
+
+    def propose(self, requests: list[Request], block_tables: dict[str, list[int]], k: int) -> dict[str, list[int]]:
+        if self.proposer is None:
+            return {}
+        out = {}
+        for rid, prop in self.proposer.propose(requests, block_tables, k).items():
+            out[rid] = prop.token_ids
+            self._draft_probs[rid] = prop.probs
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._draft_probs.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.runner.read_blocks(block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.runner.write_blocks(block_ids, data)
