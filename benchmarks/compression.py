@@ -44,18 +44,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-OUT_DIR = Path(__file__).resolve().parent / "results"
+from _common import RESULTS_DIR, check_idle, drain, first_output, is_idle, loadavg, md_table, write_results
+
+OUT_DIR = RESULTS_DIR
 CORPUS = "PyPI countryinfo (country JSON files, MIT)"
 INSTRUCTION = "Answer the question using only the passages below. Reply with a short answer."
 METHODS = ("passage", "token")
 TARGETS = {"retention": 0.90, "ttft_speedup": 2.0}
-
-
-def loadavg() -> list[float]:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return [float("nan")] * 3
 
 
 @dataclass
@@ -109,7 +104,7 @@ def load_corpus() -> dict[str, list[Fact]]:
     spec = importlib.util.find_spec("countryinfo")
     if spec is None:
         raise SystemExit("the corpus comes from the PyPI package countryinfo: pip install countryinfo")
-    folder = Path(list(spec.submodule_search_locations)[0]) / "data"
+    folder = Path(next(iter(spec.submodule_search_locations))) / "data"
     records = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(folder.glob("*.json"))]
     records = [r for r in records if r.get("name")]
     names = {r["ISO"]["alpha3"]: r["name"] for r in records if isinstance(r.get("ISO"), dict) and "alpha3" in r["ISO"]}
@@ -154,23 +149,34 @@ def first_token_s(engine, prompt: str, method: str | None, ratio: float) -> tupl
     text = prompt if method is None else compress_prompt(
         prompt, {"method": method, "target_ratio": ratio}, tokenizer=engine.tokenizer).text
     rid = engine.add_request(None, text, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    n = None
-    while n is None:
-        for out in engine.step():
-            if out.request_id == rid:
-                n = len(out.prompt_token_ids)
+    n = len(first_output(engine, rid).prompt_token_ids)
     dt_s = time.perf_counter() - t0
-    while engine.has_unfinished():
-        engine.step()
+    drain(engine)
     return dt_s, n, text
 
 
-def run(args) -> dict:
-    import torch
-    from tqdm import tqdm
+def summarize(rows: dict[str, dict], questions: int) -> dict[str, dict]:
+    """Per condition: medians (TTFT: over questions, then repeats), retention, speedup vs "none"."""
+    summary, base = {}, None
+    for cond, r in rows.items():
+        ttft = statistics.median(statistics.median(x) for x in r["ttft_s"])
+        base = ttft if cond == "none" else base
+        summary[cond] = {
+            "median_ttft_s": ttft, "ttft_speedup": base / ttft, "median_prompt_tokens": statistics.median(r["tokens"]),
+            "sentence_retention": sum(r["sentence_kept"]) / questions,
+            "value_retention": sum(r["value_kept"]) / questions,
+            "median_context_ratio": statistics.median(r["context_ratio"]) if r["context_ratio"] else 1.0,
+            "median_compress_s": statistics.median(r["compress_s"]) if r["compress_s"] else 0.0,
+        }
+    return summary
 
-    from kvmesh import LLM
+
+def run(args, load_start: list[float]) -> dict:
+    """Every question under every condition; `load_start` is the load before the run began."""
+    import torch
+    from kvmesh import LLM, SamplingParams
     from kvmesh.compress import compress_prompt, get_compressor
+    from tqdm import tqdm
 
     torch.set_num_threads(args.threads)
     corpus = load_corpus()
@@ -184,7 +190,7 @@ def run(args) -> dict:
     load_s = time.perf_counter() - t0
     # The request option path gives the same prompt as the library call timed here.
     opts = {"method": "passage", "target_ratio": args.ratio}
-    rid = eng.add_request(None, cases[0].prompt, compression=opts)
+    rid = llm._add("plumbing-check", cases[0].prompt, SamplingParams(max_tokens=1), opts)
     plumbed = eng._states[rid].request.prompt_token_ids
     eng.abort(rid)
     assert plumbed == eng.encode(compress_prompt(cases[0].prompt, opts, tokenizer=eng.tokenizer).text)
@@ -193,7 +199,7 @@ def run(args) -> dict:
     conditions = ["none", *METHODS]
     rows = {c: {"ttft_s": [[] for _ in range(args.repeats)], "tokens": [], "sentence_kept": [], "value_kept": [],
                 "context_ratio": [], "compress_s": []} for c in conditions}
-    loads = [loadavg()]
+    loads = [load_start]  # then one after each repeat
     for rep in range(args.repeats):
         for case in tqdm(cases, desc=f"repeat {rep + 1}/{args.repeats}"):
             for cond in conditions:
@@ -211,19 +217,7 @@ def run(args) -> dict:
                         r["context_ratio"].append(res.context_ratio)
                         r["compress_s"].append(res.seconds)
         loads.append(loadavg())
-    summary = {}
-    base = None
-    for cond in conditions:
-        r = rows[cond]
-        ttft = statistics.median(statistics.median(x) for x in r["ttft_s"])
-        base = ttft if cond == "none" else base
-        summary[cond] = {
-            "median_ttft_s": ttft, "ttft_speedup": base / ttft, "median_prompt_tokens": statistics.median(r["tokens"]),
-            "sentence_retention": sum(r["sentence_kept"]) / len(cases),
-            "value_retention": sum(r["value_kept"]) / len(cases),
-            "median_context_ratio": statistics.median(r["context_ratio"]) if r["context_ratio"] else 1.0,
-            "median_compress_s": statistics.median(r["compress_s"]) if r["compress_s"] else 0.0,
-        }
+    summary = summarize(rows, len(cases))
     p = summary["passage"]
     return {
         "date": dt.datetime.now().isoformat(timespec="seconds"), "corpus": CORPUS, "questions": len(cases),
@@ -238,32 +232,27 @@ def run(args) -> dict:
 
 def markdown(res: dict) -> str:
     la = res["loadavg"]
+    # The start load is other people's; the later ones include this run's threads.
+    busy = not (is_idle(la[0][0]) and all(is_idle(x[0], own_threads=res["threads"]) for x in la[1:]))
     lines = [f"# Prompt compression on RAG prompts ({res['ratio']:g}x target)", "",
-             f"{res['date']}, {res['model']}, torch threads {res['threads']}, {res['questions']} questions x "
-             f"{res['distractors'][0]}-{res['distractors'][1]} distractor passages, corpus: {res['corpus']}, "
-             f"median of {res['repeats']} repeat(s){' — QUICK settings' if res['quick'] else ''}", "",
-             f"1-minute load average: start {la[0][0]:.2f}, end {la[-1][0]:.2f}"
-             f"{' (BUSY: do not quote the timings)' if max(x[0] for x in la) > 0.5 else ''}", "",
-             "| method | median prompt tokens | context ratio | answer sentence kept | answer value kept "
-             "| compress ms | median TTFT ms | TTFT speedup |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for cond, s in res["summary"].items():
-        lines.append(f"| {cond} | {s['median_prompt_tokens']:.0f} | {s['median_context_ratio']:.2f}x "
-                     f"| {100 * s['sentence_retention']:.0f}% | {100 * s['value_retention']:.0f}% "
-                     f"| {1e3 * s['median_compress_s']:.0f} | {1e3 * s['median_ttft_s']:.0f} "
-                     f"| {s['ttft_speedup']:.2f}x |")
-    lines += ["", "TTFT includes compression (models preloaded: "
-              f"{res['compressor_load_s']:.1f} s once per process).", "", "Targets:"]
+             (f"{res['date']}, {res['model']}, torch threads {res['threads']}, {res['questions']} questions x "
+              f"{res['distractors'][0]}-{res['distractors'][1]} distractor passages, corpus: {res['corpus']}, "
+              f"median of {res['repeats']} repeat(s){' — QUICK settings' if res['quick'] else ''}"), "",
+             (f"1-minute load average: start {la[0][0]:.2f}, end {la[-1][0]:.2f}"
+              f"{' (BUSY: do not quote the timings)' if busy else ''}"), ""]
+    lines += md_table(["method", "median prompt tokens", "context ratio", "answer sentence kept", "answer value kept",
+                       "compress ms", "median TTFT ms", "TTFT speedup"],
+                      ([cond, f"{s['median_prompt_tokens']:.0f}", f"{s['median_context_ratio']:.2f}x",
+                        f"{100 * s['sentence_retention']:.0f}%", f"{100 * s['value_retention']:.0f}%",
+                        f"{1e3 * s['median_compress_s']:.0f}", f"{1e3 * s['median_ttft_s']:.0f}",
+                        f"{s['ttft_speedup']:.2f}x"] for cond, s in res["summary"].items()), "lrrrrrrr")
+    lines += ["", ("TTFT includes compression (models preloaded: "
+                   f"{res['compressor_load_s']:.1f} s once per process)."), "", "Targets:"]
     lines += [f"- {k}: {'met' if v else 'MISSED'}" for k, v in res["targets"].items()]
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(plt, res: dict):
     conds = list(res["summary"])
     s = res["summary"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
@@ -283,7 +272,7 @@ def plot(res: dict, path: Path) -> None:
     b.legend(loc="lower left")
     b.set_title("answer retention")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def main() -> None:
@@ -300,18 +289,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.questions, args.repeats = min(args.questions, 5), 1
-    la = loadavg()
-    print(f"1-minute load average: {la[0]:.2f}")
-    if la[0] > 0.5:
-        print(f"WARNING: load average {la} - the machine is busy; timings will be noisy")
-    res = run(args)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "compression_quick" if args.quick else "compression"
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=2, default=str))
+    load_start = loadavg()
+    check_idle(args.threads, load_start[0])
+    res = run(args, load_start)
     md = markdown(res)
-    (out / f"{stem}.md").write_text(md)
-    plot(res, out / f"{stem}.png")
+    write_results("compression_quick" if args.quick else "compression", res, md, plot, args.out_dir)
     print(md)
 
 

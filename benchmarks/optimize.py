@@ -32,6 +32,7 @@ Results: benchmarks/results/optimize.{json,md,png} (optimize_quick.* for --quick
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import shutil
@@ -45,8 +46,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-OUT_DIR = Path(__file__).resolve().parent / "results"
-IDLE_LOAD = 0.5
+from _common import RESULTS_DIR, check_idle, decode_tok_s, is_idle, loadavg, md_table, write_results
+
+OUT_DIR = RESULTS_DIR
 RECOVERY_TARGET = 0.5
 CHAT = ["Explain why the sky is blue.", "Write a short story about a robot who learns to paint.",
         "What are three tips for staying focused while studying?", "Describe the water cycle in simple terms."]
@@ -75,24 +77,16 @@ class Settings:
     chat_max_tokens: int
 
 
-FULL = Settings(steps=200, draft_steps=200, draft_lr=5e-4, batch_size=4, seq_len=128, lr=2e-4, top_k=64, calibration_windows=16,
-                calibration_seq_len=256, eval_tokens=1024, decode_tokens=48, repeats=3, spec_prompts=4,
-                spec_tokens=64, draft_layers=6, chat_prompts=256, chat_max_tokens=96)
-QUICK = Settings(steps=3, draft_steps=3, draft_lr=5e-4, batch_size=2, seq_len=32, lr=2e-4, top_k=16, calibration_windows=2,
-                 calibration_seq_len=64, eval_tokens=96, decode_tokens=6, repeats=1, spec_prompts=1,
-                 spec_tokens=8, draft_layers=2, chat_prompts=4, chat_max_tokens=8)
-
-
-def loadavg() -> float:
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except OSError:
-        return float("nan")
+FULL = Settings(steps=200, draft_steps=200, draft_lr=5e-4, batch_size=4, seq_len=128, lr=2e-4, top_k=64,
+                calibration_windows=16, calibration_seq_len=256, eval_tokens=1024, decode_tokens=48, repeats=3,
+                spec_prompts=4, spec_tokens=64, draft_layers=6, chat_prompts=256, chat_max_tokens=96)
+QUICK = Settings(steps=3, draft_steps=3, draft_lr=5e-4, batch_size=2, seq_len=32, lr=2e-4, top_k=16,
+                 calibration_windows=2, calibration_seq_len=64, eval_tokens=96, decode_tokens=6, repeats=1,
+                 spec_prompts=1, spec_tokens=8, draft_layers=2, chat_prompts=4, chat_max_tokens=8)
 
 
 def _llm(path: Path, threads: int, speculative: dict | None = None):
     from kvmesh import LLM
-
     from kvmesh.models.loader import load_arch_config
 
     max_len = min(2048, load_arch_config(path).max_position_embeddings)
@@ -100,7 +94,7 @@ def _llm(path: Path, threads: int, speculative: dict | None = None):
                max_num_batched_tokens=1024, speculative=speculative)
 
 
-def decode_tok_s(llm, new_tokens: int, repeats: int) -> float:
+def batch1_decode_tok_s(llm, new_tokens: int, repeats: int) -> float:
     """Median batch-1 decode tokens/s: tokens after the prefill step / their time."""
     from kvmesh import SamplingParams
 
@@ -108,12 +102,9 @@ def decode_tok_s(llm, new_tokens: int, repeats: int) -> float:
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for r in range(repeats + 1):  # the first run warms up
         eng.add_request(f"decode-{r}", [1, 200 + r, *range(100, 131)], params)  # distinct: no prefix hits
-        eng.step()
-        tokens, t0 = 0, time.perf_counter()
-        while eng.has_unfinished():
-            tokens += sum(len(o.outputs[0].delta_token_ids) for o in eng.step())
+        rate = decode_tok_s(eng)
         if r:
-            rates.append(tokens / (time.perf_counter() - t0))
+            rates.append(rate)
     return statistics.median(rates)
 
 
@@ -124,8 +115,8 @@ def held_out_tokens(tokenizer, n: int) -> dict[str, list[int]]:
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     docs = "\n\n".join(d.text for d in split_documents("eval") if not d.source.startswith("CPython"))
     lic = next(d.text for d in split_documents("eval") if d.source.startswith("CPython"))
-    enc = lambda t: bos + tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"][:n]  # noqa: E731
-    return {"license": enc(lic), "docs": enc(docs)}
+    texts = {"license": lic, "docs": docs}
+    return {k: bos + tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"][:n] for k, t in texts.items()}
 
 
 def measure_model(name: str, path: Path, s: Settings, threads: int) -> dict:
@@ -134,7 +125,7 @@ def measure_model(name: str, path: Path, s: Settings, threads: int) -> dict:
 
     llm = _llm(path, threads)
     row = {"model": name, "path": str(path), "params": load_arch_config(path).num_params,
-           "decode_b1_tok_s": decode_tok_s(llm, s.decode_tokens, s.repeats), "loadavg": loadavg()}
+           "decode_b1_tok_s": batch1_decode_tok_s(llm, s.decode_tokens, s.repeats), "loadavg": loadavg()[0]}
     for key, ids in held_out_tokens(llm.tokenizer, s.eval_tokens).items():
         row[f"ppl_{key}"] = perplexity(llm.engine, ids)
     return row
@@ -162,7 +153,7 @@ def spec_run(target: Path, draft: Path | None, s: Settings, threads: int) -> dic
     prop = eng.spec_counters["proposed"] - before["proposed"]
     acc = eng.spec_counters["accepted"] - before["accepted"]
     return {"draft": None if draft is None else draft.name, "tok_s": tokens / wall, "tokens": tokens,
-            "acceptance_rate": acc / prop if prop else None, "token_ids": texts, "loadavg": loadavg()}
+            "acceptance_rate": acc / prop if prop else None, "token_ids": texts, "loadavg": loadavg()[0]}
 
 
 def build_models(src: Path, work: Path, s: Settings, threads: int, bar) -> dict[str, Path]:
@@ -191,7 +182,8 @@ def build_models(src: Path, work: Path, s: Settings, threads: int, bar) -> dict[
     jobs.append((f"first-{s.draft_layers}+distilled", f"first-layers:{s.draft_layers}", s.draft_steps, "chat"))
     for name, student, steps, data in jobs:
         bar.set_postfix_str(f"distill {name}")
-        dc = DistillConfig(steps=steps, lr=s.lr if data == "corpus" else s.draft_lr, batch_size=s.batch_size, seq_len=s.seq_len, teacher_top_k=s.top_k,
+        dc = DistillConfig(steps=steps, lr=s.lr if data == "corpus" else s.draft_lr, batch_size=s.batch_size,
+                           seq_len=s.seq_len, teacher_top_k=s.top_k,
                            checkpoint_every=max(steps // 2, 1), threads=threads, data=data,
                            chat_prompts=s.chat_prompts, chat_max_tokens=s.chat_max_tokens)
         t0 = time.perf_counter()
@@ -217,46 +209,38 @@ def recovery(rows: list[dict], key: str) -> dict[str, float]:
 
 
 def markdown(res: dict) -> str:
-    m = res["meta"]
+    m, st = res["meta"], res["meta"]["settings"]
     busy = "" if m["idle"] else " (BUSY: do not quote timings)"
     lines = [f"# kvmesh pruning + distillation: {m['model']}", "",
-             f"{m['date']}, torch threads {m['threads']}, load avg start/end {m['load_start']:.2f}/"
-             f"{m['load_end']:.2f}{busy}{' — QUICK settings' if m['quick'] else ''}; "
-             f"distill {m['settings']['steps']} steps x {m['settings']['batch_size']} x {m['settings']['seq_len']} "
-             f"tokens, lr {m['settings']['lr']}, temperature 1, teacher top-{m['settings']['top_k']}; pruned "
-             f"students on the corpus train split, the draft on the teacher's greedy replies to "
-             f"{m['settings'].get('chat_prompts')} chat instructions ({m['settings']['draft_steps']} steps, lr {m['settings'].get('draft_lr')})", "",
-             "| model | params | vs original | decode b1 tok/s | load avg | ppl LICENSE | ppl held-out docs |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             (f"{m['date']}, torch threads {m['threads']}, load avg start/end {m['load_start']:.2f}/"
+              f"{m['load_end']:.2f}{busy}{' — QUICK settings' if m['quick'] else ''}; "
+              f"distill {st['steps']} steps x {st['batch_size']} x {st['seq_len']} "
+              f"tokens, lr {st['lr']}, temperature 1, teacher top-{st['top_k']}; pruned "
+              f"students on the corpus train split, the draft on the teacher's greedy replies to "
+              f"{st.get('chat_prompts')} chat instructions ({st['draft_steps']} steps, lr {st.get('draft_lr')})"), ""]
     orig = res["models"][0]
-    for r in res["models"]:
-        lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['params'] / orig['params']:.2f}x | "
-                     f"{r['decode_b1_tok_s']:.1f} | {r['loadavg']:.1f} | {r['ppl_license']:.2f} | {r['ppl_docs']:.2f} |")
-    lines += ["", f"Recovery = (ppl pruned - ppl distilled) / (ppl pruned - ppl original); target >= {RECOVERY_TARGET}:"]
+    lines += md_table(["model", "params", "vs original", "decode b1 tok/s", "load avg", "ppl LICENSE",
+                       "ppl held-out docs"],
+                      ([r["model"], f"{r['params'] / 1e6:.1f}M", f"{r['params'] / orig['params']:.2f}x",
+                        f"{r['decode_b1_tok_s']:.1f}", f"{r['loadavg']:.1f}", f"{r['ppl_license']:.2f}",
+                        f"{r['ppl_docs']:.2f}"] for r in res["models"]), "lrrrrrr")
+    lines += ["", ("Recovery = (ppl pruned - ppl distilled) / (ppl pruned - ppl original); "
+                   f"target >= {RECOVERY_TARGET}:")]
     for key, rec in res["recovery"].items():
         for name, v in rec.items():
             lines.append(f"- {name}, {key}: {v:.2f} ({'met' if v >= RECOVERY_TARGET else 'MISSED'})")
-    lines += ["", f"## Drafts for speculative decoding of the original (k=4, batch 1, greedy chat, "
-              f"{m['settings']['spec_tokens']} tokens)", "",
-              "| draft | params | acceptance | tok/s | speedup vs off | load avg | same output |",
-              "|---|---:|---:|---:|---:|---:|---|"]
-    for r in res["drafts"]:
-        acc = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
-        lines.append(f"| {r['draft'] or 'off'} | {r['params'] / 1e6:.1f}M | {acc} | {r['tok_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['loadavg']:.1f} | {'yes' if r['identical_to_off'] else 'NO'} |")
+    lines += ["", (f"## Drafts for speculative decoding of the original (k=4, batch 1, greedy chat, "
+                   f"{st['spec_tokens']} tokens)"), ""]
+    lines += md_table(["draft", "params", "acceptance", "tok/s", "speedup vs off", "load avg", "same output"],
+                      ([r["draft"] or "off", f"{r['params'] / 1e6:.1f}M",
+                        "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}", f"{r['tok_s']:.1f}",
+                        f"{r['speedup']:.2f}x", f"{r['loadavg']:.1f}", "yes" if r["identical_to_off"] else "NO"]
+                       for r in res["drafts"]), "lrrrrrl")
     lines += ["", "Build timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in res["build_timings_s"].items())]
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG", file=sys.stderr)
-        return
+def plot(plt, res: dict):
     rows = res["models"]
     names = [r["model"] for r in rows]
     panels = [("parameters (M)", [r["params"] / 1e6 for r in rows]),
@@ -273,7 +257,36 @@ def plot(res: dict, path: Path) -> None:
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=35)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+def measure_all(src: Path, work: Path, s: Settings, threads: int) -> tuple[list[dict], list[dict], dict]:
+    """Build every model in `work`, then measure them: (model rows, draft rows, build timings)."""
+    from kvmesh.models.loader import load_arch_config
+
+    bar = tqdm(total=5 + 5 + 3, desc="optimize benchmark", unit="phase")
+    try:
+        paths = build_models(src, work, s, threads, bar)
+        rows = []
+        for name in ("original", "pruned-25%", "pruned-25%+distilled", "pruned-50%", "pruned-50%+distilled"):
+            bar.set_postfix_str(f"measure {name}")
+            rows.append(measure_model(name, paths[name], s, threads))
+            bar.update(1)
+        drafts = []
+        for name in (None, f"first-{s.draft_layers}", f"first-{s.draft_layers}+distilled"):
+            bar.set_postfix_str(f"speculative {name or 'off'}")
+            path = src if name is None else paths[name]
+            drafts.append({**spec_run(src, None if name is None else path, s, threads),
+                           "params": load_arch_config(path).num_params})
+            bar.update(1)
+    finally:
+        bar.close()
+    for d in drafts:
+        d["speedup"] = d["tok_s"] / drafts[0]["tok_s"]
+        d["identical_to_off"] = d["token_ids"] == drafts[0]["token_ids"]
+    for d in drafts:
+        d.pop("token_ids")
+    return rows, drafts, json.loads((work / "timings.json").read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,66 +298,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path, default=None, help="keep the built models here (default: a temp dir)")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = p.parse_args(argv)
-    from kvmesh.models.loader import load_arch_config, resolve_model_path
+    from kvmesh.models.loader import resolve_model_path
 
     s = QUICK if args.quick else FULL
     if args.steps:
         s = Settings(**{**s.__dict__, "steps": args.steps})
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    start = loadavg()
-    print(f"load average (1 min): {start:.2f}  | cores: {os.cpu_count()}  | torch threads: {args.threads}")
-    if start > IDLE_LOAD:
-        print(f"!! WARNING: load {start:.2f} > {IDLE_LOAD}: the machine is busy; timings are not quotable",
-              file=sys.stderr)
+    start = loadavg()[0]
+    check_idle(args.threads, start)
     src = resolve_model_path(args.model)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="kvmesh-optimize-"))
     if args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    bar = tqdm(total=5 + 5 + 3, desc="optimize benchmark", unit="phase")
     try:
-        paths = build_models(src, work, s, args.threads, bar)
-        rows = []
-        for name in ("original", "pruned-25%", "pruned-25%+distilled", "pruned-50%", "pruned-50%+distilled"):
-            bar.set_postfix_str(f"measure {name}")
-            rows.append(measure_model(name, paths[name], s, args.threads))
-            bar.update(1)
-        drafts = []
-        for name in (None, f"first-{s.draft_layers}", f"first-{s.draft_layers}+distilled"):
-            bar.set_postfix_str(f"speculative {name or 'off'}")
-            path = src if name is None else paths[name]
-            drafts.append({**spec_run(src, None if name is None else path, s, args.threads),
-                           "params": load_arch_config(path).num_params})
-            bar.update(1)
-        timings = json.loads((work / "timings.json").read_text())
+        rows, drafts, timings = measure_all(src, work, s, args.threads)
     finally:
-        bar.close()
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    for d in drafts:
-        d["speedup"] = d["tok_s"] / drafts[0]["tok_s"]
-        d["identical_to_off"] = d["token_ids"] == drafts[0]["token_ids"]
-    for d in drafts:
-        d.pop("token_ids")
-    end = loadavg()
-    import datetime as dt
-
+    end = loadavg()[0]
     meta = {"model": "SmolLM2-135M-Instruct (embedded)" if args.model is None else args.model,
             "date": dt.datetime.now().isoformat(timespec="seconds"), "threads": args.threads,
             "load_start": start, "load_end": end,
-            "idle": start <= IDLE_LOAD and end <= args.threads + IDLE_LOAD,  # the end load includes our threads
+            "idle": is_idle(start) and is_idle(end, own_threads=args.threads),
             "quick": args.quick, "settings": s.__dict__, "wall_s": time.perf_counter() - t_start,
             "torch": torch.__version__}
     res = {"meta": meta, "models": rows, "drafts": drafts, "build_timings_s": timings,
            "recovery": {"ppl LICENSE": recovery(rows, "ppl_license"), "ppl held-out docs": recovery(rows, "ppl_docs")}}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "optimize_quick" if args.quick else "optimize"
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
     md = markdown(res)
-    (args.out_dir / f"{stem}.md").write_text(md)
-    plot(res, args.out_dir / f"{stem}.png")
+    write_results("optimize_quick" if args.quick else "optimize", res, md, plot, args.out_dir, dpi=110)
     print(md)
     return 0
 

@@ -30,12 +30,27 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _common import (
+    IDLE_LOAD,
+    RESULTS_DIR,
+    check_idle,
+    cpu_flags,
+    cpu_model,
+    decode_tok_s,
+    drain,
+    is_idle,
+    loadavg,
+    md_table,
+    median,
+    wait_for_idle,
+    write_results,
+)
 
 METHODS = {  # name -> (dtype, quantization, group size)
     "fp32": ("float32", None, None),
@@ -45,47 +60,25 @@ METHODS = {  # name -> (dtype, quantization, group size)
     "int4-g128": ("float32", "int4", 128),
     "gguf-q4_1": ("float32", "gguf", None),
 }
-IDLE_LOAD = 0.5
 TARGETS = {"int8": 1.5, "int4-g32": 2.0}  # batch-1 decode speedup vs fp32
 BYTE_TARGETS = {"int8": 0.26, "int4-g32": 0.16}  # weight bytes vs fp32 (int4: below)
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a CPU cache is."]
-OUT_DIR = Path(__file__).resolve().parent / "results"
-
-
-def loadavg() -> float:
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except OSError:
-        return float("nan")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+OUT_DIR = RESULTS_DIR
 
 
 def _decode(llm, batch: int, prompt_len: int, new_tokens: int) -> float:
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh import SamplingParams
 
     eng = llm.engine
     base = list(range(100, 100 + prompt_len))
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for i in range(batch):  # distinct first token: no shared prefix blocks
         eng.add_request(f"d{batch}-{i}", [1000 + i, *base], params)
-    eng.step()  # the prefill step (all prompts fit the token budget)
-    tokens, t0 = 0, time.perf_counter()
-    while eng.has_unfinished():
-        tokens += sum(len(o.outputs[0].delta_token_ids) for o in eng.step())
-    return tokens / (time.perf_counter() - t0)
+    return decode_tok_s(eng)  # all prompts fit one prefill step's token budget
 
 
 def _prefill(llm, prompt_len: int, run: int = 0) -> float:
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh import SamplingParams
 
     eng = llm.engine
     # A distinct first token per run: a repeat must not hit the prefix cache.
@@ -94,21 +87,14 @@ def _prefill(llm, prompt_len: int, run: int = 0) -> float:
     t0 = time.perf_counter()
     eng.step()
     dt_s = time.perf_counter() - t0
-    while eng.has_unfinished():
-        eng.step()
+    drain(eng)
     return prompt_len / dt_s
-
-
-def _median(samples: list[float]) -> float:
-    return sorted(samples)[len(samples) // 2]
 
 
 def run_one(name: str, smoke: bool, threads: int, repeats: int = 5) -> dict:
     """Child process: everything for one method, as a JSON-able dict."""
     import torch
-
-    from kvmesh.engine.llm import LLM
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh import LLM, SamplingParams
     from kvmesh.quant.loader import weight_bytes
     from kvmesh.quant.quality import eval_tokens, perplexity
 
@@ -117,13 +103,13 @@ def run_one(name: str, smoke: bool, threads: int, repeats: int = 5) -> dict:
     t0 = time.perf_counter()
     llm = LLM(progress=False, dtype=dtype, quantization=quant, quantization_group_size=group, num_blocks=512,
               max_num_batched_tokens=1024, max_model_len=2048)
-    res = {"method": name, "load_s": time.perf_counter() - t0, "weight_bytes": weight_bytes(llm.engine.model)}
+    res = {"method": name, "load_s": time.perf_counter() - t0, "weight_bytes": weight_bytes(llm.engine.executor.model)}
     new = 8 if smoke else 64
     _decode(llm, 1, 32, 8)  # warm-up: first-call allocations and thread-pool start
     samples = {"decode_b1_tok_s": [_decode(llm, 1, 32, new) for _ in range(repeats)],
                "decode_b16_tok_s": [_decode(llm, 16, 32, new // 2 if smoke else 32) for _ in range(repeats)],
                "prefill_tok_s": [_prefill(llm, 64 if smoke else 512, i) for i in range(repeats)]}
-    res.update({k: _median(v) for k, v in samples.items()})
+    res.update({k: median(v) for k, v in samples.items()})
     res["samples"] = samples
     ids, source = eval_tokens(llm.tokenizer, 128 if smoke else 1024)
     res["perplexity"], res["ppl_text"] = perplexity(llm.engine, ids), source
@@ -137,20 +123,19 @@ def run_one(name: str, smoke: bool, threads: int, repeats: int = 5) -> dict:
 def _markdown(rows: list[dict], meta: dict) -> str:
     fp = next(r for r in rows if r["method"] == "fp32")
     lines = [f"# kvmesh weight quantization: {meta['model']}", "",
-             f"{meta['date']}, {meta['cpu']}, torch threads {meta['threads']}, load avg start/end "
-             f"{meta['load_start']:.2f}/{meta['load_end']:.2f}{' (BUSY: do not quote)' if not meta['idle'] else ''}"
-             f"{' — SMOKE settings' if meta['smoke'] else ''}", "",
-             "| method | weight MiB | vs fp32 | peak RSS MiB | decode b1 tok/s | vs fp32 | decode b16 tok/s "
-             "| prefill tok/s | perplexity | vs fp32 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['method']} | {r['weight_bytes'] / 2**20:.1f} | {r['weight_bytes'] / fp['weight_bytes']:.3f}x "
-            f"| {r['peak_rss_mib']:.0f} | {r['decode_b1_tok_s']:.1f} | {r['decode_b1_tok_s'] / fp['decode_b1_tok_s']:.2f}x "
-            f"| {r['decode_b16_tok_s']:.1f} | {r['prefill_tok_s']:.0f} | {r['perplexity']:.3f} "
-            f"| {100 * (r['perplexity'] / fp['perplexity'] - 1):+.2f}% |")
-    lines += ["", f"Speeds are medians of {meta.get('repeats', 1)} runs per method. "
-              f"Perplexity text: {fp['ppl_text']}.", "", "Targets:"]
+             (f"{meta['date']}, {meta['cpu']}, torch threads {meta['threads']}, load avg start/end "
+              f"{meta['load_start']:.2f}/{meta['load_end']:.2f}{' (BUSY: do not quote)' if not meta['idle'] else ''}"
+              f"{' — SMOKE settings' if meta['smoke'] else ''}"), ""]
+    lines += md_table(["method", "weight MiB", "vs fp32", "peak RSS MiB", "decode b1 tok/s", "vs fp32",
+                       "decode b16 tok/s", "prefill tok/s", "perplexity", "vs fp32"],
+                      ([r["method"], f"{r['weight_bytes'] / 2**20:.1f}",
+                        f"{r['weight_bytes'] / fp['weight_bytes']:.3f}x", f"{r['peak_rss_mib']:.0f}",
+                        f"{r['decode_b1_tok_s']:.1f}",
+                        f"{r['decode_b1_tok_s'] / fp['decode_b1_tok_s']:.2f}x", f"{r['decode_b16_tok_s']:.1f}",
+                        f"{r['prefill_tok_s']:.0f}", f"{r['perplexity']:.3f}",
+                        f"{100 * (r['perplexity'] / fp['perplexity'] - 1):+.2f}%"] for r in rows))
+    lines += ["", (f"Speeds are medians of {meta.get('repeats', 1)} runs per method. "
+                   f"Perplexity text: {fp['ppl_text']}."), "", "Targets:"]
     for name, t in TARGETS.items():
         r = next((x for x in rows if x["method"] == name), None)
         if r:
@@ -166,15 +151,8 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG", file=sys.stderr)
-        return
+def _plot(plt, res: dict):
+    rows = res["results"]
     names = [r["method"] for r in rows]
     panels = [("weight MiB", [r["weight_bytes"] / 2**20 for r in rows]),
               ("decode b1 tok/s", [r["decode_b1_tok_s"] for r in rows]),
@@ -186,7 +164,19 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+def _run_child(name: str, args) -> dict | None:
+    """One method in a fresh interpreter (so peak RSS is that method's alone); None on failure."""
+    cmd = [sys.executable, __file__, "--one", name, "--threads", str(args.threads), "--repeats", str(args.repeats)]
+    cmd += ["--smoke"] if args.smoke else []
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if r.returncode != 0 or line is None:
+        print(r.stderr[-3000:], file=sys.stderr)
+        return None
+    return json.loads(line[7:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,36 +201,23 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--methods: unknown {n!r}; valid: {list(METHODS)}")
     if "fp32" not in names:
         names.insert(0, "fp32")
-    waited = 0.0
-    while loadavg() > IDLE_LOAD and waited < args.wait_idle:
-        time.sleep(5)
-        waited += 5
-    start = loadavg()
-    print(f"load average (1 min): {start:.2f}  | cores: {os.cpu_count()}  | torch threads: {args.threads}")
-    if start > IDLE_LOAD:
-        print(f"!! WARNING: load {start:.2f} > {IDLE_LOAD}: the machine is busy; timings are not quotable",
-              file=sys.stderr)
+    wait_for_idle(args.wait_idle)
+    start = loadavg()[0]
+    check_idle(args.threads, start)
     rows = []
     for name in tqdm(names, desc="methods", unit="method"):
-        cmd = [sys.executable, __file__, "--one", name, "--threads", str(args.threads), "--repeats", str(args.repeats)]
-        cmd += ["--smoke"] if args.smoke else []
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if r.returncode != 0 or line is None:
-            print(r.stderr[-3000:], file=sys.stderr)
+        row = _run_child(name, args)
+        if row is None:
             return 1
-        rows.append(json.loads(line[7:]))
-    end = loadavg()
+        rows.append(row)
+    end = loadavg()[0]
     meta = {"model": "SmolLM2-135M-Instruct (embedded)", "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "cpu": cpu_model(), "threads": args.threads, "load_start": start, "load_end": end, "repeats": args.repeats,
-            # The end load includes this run's own threads.
-            "idle": start <= IDLE_LOAD and end <= args.threads + IDLE_LOAD, "smoke": args.smoke}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "quant_smoke" if args.smoke else "quant"
-    (args.out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+            "cpu": cpu_model(), "cpu_flags": cpu_flags(), "threads": args.threads, "load_start": start,
+            "load_end": end, "repeats": args.repeats,
+            "idle": is_idle(start) and is_idle(end, own_threads=args.threads), "smoke": args.smoke}
     md = _markdown(rows, meta)
-    (args.out_dir / f"{stem}.md").write_text(md)
-    _plot(rows, args.out_dir / f"{stem}.png")
+    write_results("quant_smoke" if args.smoke else "quant", {"meta": meta, "results": rows}, md, _plot,
+                  args.out_dir, dpi=110)
     print(md)
     return 0
 

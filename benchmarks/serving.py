@@ -32,28 +32,24 @@ import argparse
 import asyncio
 import datetime as dt
 import importlib.util
-import json
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import numpy as np
-
 from kvmesh._proto import llm_pb2, llm_pb2_grpc, worker_pb2_grpc
 from kvmesh.serve.local import Child, spawn, stop, wait_ready
 
+from _common import check_idle, loadavg, md_table, write_results
+
 ROOT = Path(__file__).resolve().parents[1]
 TENANTS = 4
-
-
-def loadavg() -> list[float]:
-    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
 @dataclass
@@ -176,37 +172,29 @@ def tiny_model() -> Path:
     return mod.build_tiny_model(Path(tempfile.mkdtemp(prefix="kvmesh-bench-tiny-")))
 
 
-def write_outputs(report: dict, out_dir: Path, stem: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))
+def markdown(report: dict) -> str:
     lines = [f"# Serving benchmark ({report['date']})", "",
-             f"model: {report['config']['model']}, load at start {report['loadavg_start']}, "
-             f"end {report['loadavg_end']}", "",
-             "| policy | done | TTFT p50/p90/p99 ms | TPOT p50 ms | ITL p50 ms | e2e p50/p99 ms | tok/s | goodput req/s |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, s in report["policies"].items():
-        lines.append(f"| {name} | {s['completed']}/{s['requests']} | {s['ttft_ms']['p50']:.1f} / "
-                     f"{s['ttft_ms']['p90']:.1f} / {s['ttft_ms']['p99']:.1f} | {s['tpot_ms']['p50']:.1f} | "
-                     f"{s['itl_ms']['p50']:.1f} | {s['e2e_ms']['p50']:.1f} / {s['e2e_ms']['p99']:.1f} | "
-                     f"{s['output_tok_per_s']:.1f} | {s['goodput_req_per_s']:.2f} |")
+             (f"model: {report['config']['model']}, load at start {report['loadavg_start']}, "
+              f"end {report['loadavg_end']}"), ""]
+    lines += md_table(["policy", "done", "TTFT p50/p90/p99 ms", "TPOT p50 ms", "ITL p50 ms", "e2e p50/p99 ms", "tok/s",
+                       "goodput req/s"],
+                      ([name, f"{s['completed']}/{s['requests']}",
+                        f"{s['ttft_ms']['p50']:.1f} / {s['ttft_ms']['p90']:.1f} / {s['ttft_ms']['p99']:.1f}",
+                        f"{s['tpot_ms']['p50']:.1f}", f"{s['itl_ms']['p50']:.1f}",
+                        f"{s['e2e_ms']['p50']:.1f} / {s['e2e_ms']['p99']:.1f}", f"{s['output_tok_per_s']:.1f}",
+                        f"{s['goodput_req_per_s']:.2f}"] for name, s in report["policies"].items()))
     v = report["verdicts"]
     o = report["router_overhead"]
-    lines += ["", f"- median TTFT, round robin / prefix-aware: {v['ttft_ratio']:.2f}x (target >= 2x: "
-              f"{'met' if v['ttft_target_met'] else 'MISSED'})",
-              f"- router added latency p50: {o['added_p50_ms']:.2f} ms (router {o['router_p50_ms']:.2f} ms, direct "
-              f"{o['direct_p50_ms']:.2f} ms; target < 2 ms: {'met' if v['overhead_target_met'] else 'MISSED'})"]
+    lines += ["", (f"- median TTFT, round robin / prefix-aware: {v['ttft_ratio']:.2f}x (target >= 2x: "
+                   f"{'met' if v['ttft_target_met'] else 'MISSED'})"),
+              (f"- router added latency p50: {o['added_p50_ms']:.2f} ms (router {o['router_p50_ms']:.2f} ms, direct "
+               f"{o['direct_p50_ms']:.2f} ms; target < 2 ms: {'met' if v['overhead_target_met'] else 'MISSED'})")]
     if not report["idle_at_start"]:
         lines.append("- WARNING: the machine was busy at the start; do not quote these numbers")
-    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib
+    return "\n".join(lines) + "\n"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no PNG", file=sys.stderr)
-        return
+
+def plot(plt, report: dict):
     fig, ax = plt.subplots(figsize=(7, 4))
     names = list(report["policies"])
     qs = ("p50", "p90", "p99")
@@ -215,10 +203,10 @@ def write_outputs(report: dict, out_dir: Path, stem: str) -> None:
                0.27, label=f"TTFT {q}")
     ax.set_xticks([j + 0.27 for j in range(len(names))], names)
     ax.set_ylabel("ms")
-    ax.set_title(f"TTFT by routing policy (round robin / prefix = {v['ttft_ratio']:.2f}x at p50)")
+    ax.set_title(f"TTFT by routing policy (round robin / prefix = {report['verdicts']['ttft_ratio']:.2f}x at p50)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_dir / f"{stem}.png", dpi=120)
+    return fig
 
 
 def parse_args(argv=None):
@@ -247,9 +235,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     load_start = loadavg()
-    idle = load_start[0] <= 0.5
-    if not idle:
-        print(f"WARNING: 1-minute load is {load_start[0]} (> 0.5): timings will be noisy", file=sys.stderr)
+    idle = check_idle(args.threads, load_start[0])
     model = args.model or (str(tiny_model()) if args.smoke else None)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     model_args = ["--model", model] if model else []
@@ -261,14 +247,14 @@ def main(argv=None) -> int:
                     "idle_at_start": idle, "config": {**vars(args), "model": model or "embedded SmolLM2-135M"},
                     "policies": {}}
     try:
-        workers = [spawn(f"worker{i}", ["-m", "kvmesh.worker.server", "--role", "unified", "--port", "0",
+        workers = [spawn(f"worker{i}", ["-m", "kvmesh.cli", "worker", "--role", "unified", "--port", "0",
                                         "--threads", str(args.threads), *model_args]) for i in range(2)]
         for w in workers:
             wait_ready(w, 600)
         for seed, policy in enumerate(("max_score", "round_robin")):
-            router = wait_ready(spawn(f"router-{policy}", ["-m", "kvmesh.router", "--port", "0", "--picker", policy,
-                                                           *model_args, *sum((["--worker", w.address]
-                                                                              for w in workers), [])]), 600)
+            worker_args = [a for w in workers for a in ("--worker", w.address)]
+            router = wait_ready(spawn(f"router-{policy}", ["-m", "kvmesh.cli", "router", "--port", "0", "--picker", policy,
+                                                           *model_args, *worker_args]), 600)
             try:
                 report[f"loadavg_before_{policy}"] = loadavg()
                 results, wall = asyncio.run(run_load(router.address, make_prompts(seed, vocab, args), args))
@@ -288,7 +274,9 @@ def main(argv=None) -> int:
     ratio = rr["ttft_ms"]["p50"] / pa["ttft_ms"]["p50"] if pa["ttft_ms"]["p50"] else float("nan")
     report["verdicts"] = {"ttft_ratio": ratio, "ttft_target_met": ratio >= 2.0,
                           "overhead_target_met": report["router_overhead"]["added_p50_ms"] < 2.0}
-    write_outputs(report, Path(args.out_dir), "serving_smoke" if args.smoke else "serving")
+    md = markdown(report)
+    write_results("serving_smoke" if args.smoke else "serving", report, md, plot, args.out_dir)
+    print(md)
     return 0
 
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import json
 import time
 from pathlib import Path
 
 import torch
+from kvmesh import LLM, SamplingParams
 from tqdm import tqdm
 
-from kvmesh import LLM, SamplingParams
+from _common import RESULTS_DIR, check_idle, loadavg, md_table, write_results
 
 FREE = [
     "Explain why the sky is blue.",
@@ -45,7 +45,7 @@ FREE = [
 
 def passages() -> list[str]:
     import json as json_mod
-    import this  # noqa: F401  (prints the Zen once on import)
+    import this  # prints the Zen once on import
 
     zen = codecs.decode(this.s, "rot13")
     doc = " ".join(json_mod.__doc__.split()[:120])
@@ -73,32 +73,14 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tupl
     return wall, sum(len(t) for t in toks), toks
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--draft", action="append", default=[], help="draft model folder (repeatable) or 'self'")
-    ap.add_argument("--quantized-self-draft", action="append", default=[], choices=["int8", "int4"],
-                    help="add a draft that is the target quantized at load (repeatable)")
-    ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    load0 = [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    if load0[0] > 0.5:
-        print(f"WARNING: load average {load0}: the machine is busy, timings will be noisy")
-    configs = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": args.k}}
-    for d in args.draft:
-        configs[f"draft:{Path(d).name}"] = {"method": "draft", "model": d, "num_speculative_tokens": args.k}
-    for q in args.quantized_self_draft:
-        configs[f"draft:{q}-self"] = {"method": "draft", "model": "self", "quantization": q,
-                                      "num_speculative_tokens": args.k}
+def measure(configs: dict[str, dict | None], threads: int, max_tokens: int) -> list[dict]:
+    """Every proposer x workload x batch size; each row also says whether its text equals "off"."""
     results, texts = [], {}
     bar = tqdm(total=len(configs) * 4, desc="spec decode runs")
     for name, spec in configs.items():
         if spec is not None:
             spec = {**spec, "max_batch_size": 64}  # measure every batch size, no auto-off
-        llm = LLM(num_threads=args.threads, speculative=spec)
+        llm = LLM(num_threads=threads, speculative=spec)
         eng = llm.engine
         for wl_name, wl in (("free text", FREE), ("input-grounded", grounded())):
             prompts = [eng.encode_chat([{"role": "user", "content": p}]) for p in wl]
@@ -106,7 +88,7 @@ def main() -> None:
                 run(llm, prompts[:1], 1, 8)  # warm up
                 before = dict(eng.spec_counters)
                 bar.set_postfix_str(f"{name} / {wl_name} / batch {batch}")
-                wall, ntok, toks = run(llm, prompts, batch, args.max_tokens)
+                wall, ntok, toks = run(llm, prompts, batch, max_tokens)
                 bar.update(1)
                 prop = eng.spec_counters["proposed"] - before["proposed"]
                 acc = eng.spec_counters["accepted"] - before["accepted"]
@@ -124,29 +106,25 @@ def main() -> None:
         r["speedup"] = r["tok_per_s"] / base[(r["workload"], r["batch"])]
         r["identical_to_off"] = texts[(r["workload"], r["batch"], r["proposer"])] == texts[
             (r["workload"], r["batch"], "off")]
-    res = {"threads": args.threads, "k": args.k, "max_tokens": args.max_tokens, "torch": torch.__version__,
-           "loadavg_start": load0, "loadavg_end": [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]],
-           "results": results}
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "spec_decode.json").write_text(json.dumps(res, indent=2))
-    md = [f"# Speculative decoding, embedded SmolLM2 fp32, {args.threads} threads, k={args.k}", "",
-          f"load average start/end: {res['loadavg_start']} / {res['loadavg_end']}", "",
-          "| workload | batch | proposer | tok/s | speedup | acceptance | mean accepted len | same output |",
-          "|---|---:|---|---:|---:|---:|---:|---|"]
-    for r in results:
-        acc = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
-        mal = "" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
-        md.append(f"| {r['workload']} | {r['batch']} | {r['proposer']} | {r['tok_per_s']:.1f} | "
-                  f"{r['speedup']:.2f}x | {acc} | {mal} | {'yes' if r['identical_to_off'] else 'NO'} |")
-    (out / "spec_decode.md").write_text("\n".join(md) + "\n")
-    import matplotlib
+    return results
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def markdown(res: dict) -> str:
+    md = [f"# Speculative decoding, embedded SmolLM2 fp32, {res['threads']} threads, k={res['k']}", "",
+          f"load average start/end: {res['loadavg_start']} / {res['loadavg_end']}", ""]
+    md += md_table(["workload", "batch", "proposer", "tok/s", "speedup", "acceptance", "mean accepted len",
+                    "same output"],
+                   ([r["workload"], r["batch"], r["proposer"], f"{r['tok_per_s']:.1f}", f"{r['speedup']:.2f}x",
+                     "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}",
+                     "" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}",
+                     "yes" if r["identical_to_off"] else "NO"] for r in res["results"]), "lrlrrrrl")
+    return "\n".join(md) + "\n"
+
+
+def plot(plt, res: dict):
+    results = res["results"]
     groups = sorted({(r["workload"], r["batch"]) for r in results})
-    names = list(configs)
+    names = list(dict.fromkeys(r["proposer"] for r in results))  # the configs, in run order
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(names)
     for j, name in enumerate(names):
@@ -158,8 +136,34 @@ def main() -> None:
     ax.set_ylabel("output tokens/s")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "spec_decode.png", dpi=120)
-    print("\n".join(md))
+    return fig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--draft", action="append", default=[], help="draft model folder (repeatable) or 'self'")
+    ap.add_argument("--quantized-self-draft", action="append", default=[], choices=["int8", "int4"],
+                    help="add a draft that is the target quantized at load (repeatable)")
+    ap.add_argument("--out-dir", default=str(RESULTS_DIR))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    load0 = loadavg()
+    check_idle(args.threads, load0[0])
+    configs = {"off": None, "ngram": {"method": "ngram", "num_speculative_tokens": args.k}}
+    for d in args.draft:
+        configs[f"draft:{Path(d).name}"] = {"method": "draft", "model": d, "num_speculative_tokens": args.k}
+    for q in args.quantized_self_draft:
+        configs[f"draft:{q}-self"] = {"method": "draft", "model": "self", "quantization": q,
+                                      "num_speculative_tokens": args.k}
+    results = measure(configs, args.threads, args.max_tokens)
+    res = {"threads": args.threads, "k": args.k, "max_tokens": args.max_tokens, "torch": torch.__version__,
+           "loadavg_start": load0, "loadavg_end": loadavg(), "results": results}
+    md = markdown(res)
+    write_results("spec_decode", res, md, plot, args.out_dir)
+    print(md, end="")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import os
 
 import kopf
 
+import kvmesh_operator.handlers  # noqa: F401  (registers the kopf handlers)
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh-operator", description=__doc__)
@@ -26,8 +28,6 @@ def main(argv: list[str] | None = None) -> None:
         _parser().error("give --namespace NS (repeatable) or --all-namespaces")
     if namespaces and args.all_namespaces:
         _parser().error("--namespace and --all-namespaces exclude each other")
-    import kvmesh_operator.handlers  # noqa: F401  (registers the handlers)
-
     if args.metrics_port:
         from prometheus_client import start_http_server
 

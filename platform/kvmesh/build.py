@@ -118,7 +118,8 @@ def build_async_engine(config: EngineConfig | None = None, progress: bool = True
 
 def build_worker(config: EngineConfig | None, server_config: WorkerServerConfig | None = None,
                  progress: bool = False) -> WorkerServer:
-    """A gRPC worker (not started). Its engine's KV loader is a chain: KV pulled from a
+    """A gRPC worker (not started; call it on the event loop that will run it). Its
+    engine's KV loader is a chain: KV pulled from a
     prefill worker if staged for the request, else the shared store; a tracker notes
     which source served each request (cache-source metrics)."""
     parts = build_parts(config, progress)

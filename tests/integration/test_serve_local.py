@@ -59,3 +59,65 @@ def test_serve_local_serves_then_stops_cleanly(tiny_llama, tmp_path):
         host, p = addr.rsplit(":", 1)
         with pytest.raises(OSError):
             socket.create_connection((host, int(p)), timeout=1).close()
+
+
+def _start_local(tiny_llama, tmp_path, *extra):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    fh = open(log, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.cli", "serve", "--local", "--model", str(tiny_llama), "--port", str(port),
+         "--threads", "1", "--num-blocks", "128", "--block-size", "4", "--max-model-len", "128", *extra],
+        stdout=fh, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 150
+    while "Ctrl-C to stop" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(log.read_text())
+        time.sleep(0.2)
+    return proc, port, re.findall(r"(\S+) worker \(kvmesh.v1.Worker\) at (\S+)", log.read_text())
+
+
+def _stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def _worker_stats(address):
+    from kvmesh._proto import worker_pb2, worker_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
+
+
+@pytest.mark.timeout(180)
+def test_serve_local_hands_workers_the_whole_engine_config(tiny_llama, tmp_path):
+    """Flags `serve --local` once dropped (speculation) reach every worker; the replica
+    counts shape the local deployment (one prefill and two decode workers)."""
+    proc, port, workers = _start_local(tiny_llama, tmp_path, "--speculative", "ngram", "--num-speculative-tokens",
+                                       "6", "--decode-replicas", "2")
+    try:
+        assert [w[0] for w in workers] == ["prefill", "decode-0", "decode-1"]
+
+        async def main():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                # A repetitive prompt: n-gram lookup finds drafts to propose.
+                call = llm_pb2_grpc.LLMStub(ch).Generate(llm_pb2.GenerateRequest(
+                    prompt="one two three one two three one two three one two three",
+                    params=llm_pb2.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)), timeout=60)
+                tokens, _, _ = await collect(call)
+            return tokens, [await _worker_stats(addr) for _, addr in workers]
+
+        tokens, stats = asyncio.run(main())
+        assert len(tokens) == 12
+        assert [st.role for st in stats] == ["prefill", "decode", "decode"]
+        for st in stats:
+            assert st.spec_method == "ngram" and st.num_speculative_tokens == 6
+    finally:
+        _stop(proc)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvmesh.models import embedded
+from kvmesh.checkpoint import embedded
 
 
 @pytest.fixture(scope="session")

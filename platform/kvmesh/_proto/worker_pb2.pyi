@@ -114,7 +114,7 @@ class StatsRequest(_message.Message):
     def __init__(self, max_block_hashes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("role", "address", "model_id", "model_fingerprint", "block_size", "max_model_len", "num_waiting", "num_running", "num_free_blocks", "num_usable_blocks", "num_held_transfers", "requests_total", "prompt_tokens_total", "cached_prompt_tokens_total", "kv_sent_blocks", "kv_sent_bytes", "kv_received_blocks", "kv_received_bytes", "kv_loaded_tokens", "kv_pull_failures", "transfers_expired", "cached_block_hashes", "num_preemptions", "cached_prompt_tokens_local", "cached_prompt_tokens_store", "cached_prompt_tokens_transfer", "kv_store_bytes_read", "kv_store_bytes_written")
+    __slots__ = ("role", "address", "model_id", "model_fingerprint", "block_size", "max_model_len", "num_waiting", "num_running", "num_free_blocks", "num_usable_blocks", "num_held_transfers", "requests_total", "prompt_tokens_total", "cached_prompt_tokens_total", "kv_sent_blocks", "kv_sent_bytes", "kv_received_blocks", "kv_received_bytes", "kv_loaded_tokens", "kv_pull_failures", "transfers_expired", "cached_block_hashes", "num_preemptions", "cached_prompt_tokens_local", "cached_prompt_tokens_store", "cached_prompt_tokens_transfer", "kv_store_bytes_read", "kv_store_bytes_written", "spec_method", "num_speculative_tokens", "spec_proposed_tokens", "spec_accepted_tokens")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,10 @@ class StatsResponse(_message.Message):
     CACHED_PROMPT_TOKENS_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SPEC_METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     model_id: str
@@ -171,4 +175,8 @@ class StatsResponse(_message.Message):
     cached_prompt_tokens_transfer: int
     kv_store_bytes_read: int
     kv_store_bytes_written: int
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_usable_blocks: _Optional[int] = ..., num_held_transfers: _Optional[int] = ..., requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_prompt_tokens_total: _Optional[int] = ..., kv_sent_blocks: _Optional[int] = ..., kv_sent_bytes: _Optional[int] = ..., kv_received_blocks: _Optional[int] = ..., kv_received_bytes: _Optional[int] = ..., kv_loaded_tokens: _Optional[int] = ..., kv_pull_failures: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., num_preemptions: _Optional[int] = ..., cached_prompt_tokens_local: _Optional[int] = ..., cached_prompt_tokens_store: _Optional[int] = ..., cached_prompt_tokens_transfer: _Optional[int] = ..., kv_store_bytes_read: _Optional[int] = ..., kv_store_bytes_written: _Optional[int] = ...) -> None: ...
+    spec_method: str
+    num_speculative_tokens: int
+    spec_proposed_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_usable_blocks: _Optional[int] = ..., num_held_transfers: _Optional[int] = ..., requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_prompt_tokens_total: _Optional[int] = ..., kv_sent_blocks: _Optional[int] = ..., kv_sent_bytes: _Optional[int] = ..., kv_received_blocks: _Optional[int] = ..., kv_received_bytes: _Optional[int] = ..., kv_loaded_tokens: _Optional[int] = ..., kv_pull_failures: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., num_preemptions: _Optional[int] = ..., cached_prompt_tokens_local: _Optional[int] = ..., cached_prompt_tokens_store: _Optional[int] = ..., cached_prompt_tokens_transfer: _Optional[int] = ..., kv_store_bytes_read: _Optional[int] = ..., kv_store_bytes_written: _Optional[int] = ..., spec_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...

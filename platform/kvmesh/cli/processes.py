@@ -55,14 +55,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                 transfer_ttl_s=args.transfer_ttl, metrics_port=args.metrics_port)
     if args.otlp_endpoint:
         configure_tracing(TracingConfig(otlp_endpoint=args.otlp_endpoint, service_name=f"kvmesh-{args.role}"))
-    server = build_worker(engine_config(args, base), config)
+    engine_cfg = engine_config(args, base)
 
-    async def start() -> None:
-        await server.start()
-        # One parseable line: launchers and tests wait for it.
-        print(f"KVMESH_WORKER_READY role={config.role} address={server.address}", flush=True)
+    async def run() -> None:
+        # gRPC aio servers belong to the loop they are created on: build inside it.
+        server = build_worker(engine_cfg, config)
 
-    asyncio.run(run_until_signalled(start, server.stop))
+        async def start() -> None:
+            await server.start()
+            # One parseable line: launchers and tests wait for it.
+            print(f"KVMESH_WORKER_READY role={config.role} address={server.address}", flush=True)
+
+        await run_until_signalled(start, server.stop)
+
+    asyncio.run(run())
     return 0
 
 

@@ -8,12 +8,13 @@ once per process, on first use, and are shared by every thread afterwards.
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvmesh.checkpoint.files import load_tokenizer, resolve_model_path
 from kvmesh.compress.options import CompressionOptions, parse_options
 from kvmesh.compress.text import (
     MarkedPrompt,
@@ -38,20 +39,12 @@ class Compressor(Protocol):
     def score(self, contexts: list[str], units: list[list[Span]], question: str) -> list[list[float]]: ...
 
 
-def _token_compressor() -> Compressor:
-    from kvmesh.compress.token import TokenCompressor
-
-    return TokenCompressor()
-
-
-def _passage_compressor() -> Compressor:
-    from kvmesh.compress.passage import PassageCompressor
-
-    return PassageCompressor()
-
-
-# method name -> factory; a new method registers here (and in options.Method).
-COMPRESSORS: dict[str, Callable[[], Compressor]] = {"token": _token_compressor, "passage": _passage_compressor}
+# method name -> "module:Class" of its compressor; a new method registers here (and in
+# options.Method). Compressors load a model (torch, sentence-transformers) when built, so
+# they are plugins imported by name on first use: importing kvmesh.compress (the router
+# does) loads neither.
+COMPRESSORS: dict[str, str] = {"token": "kvmesh.compress.token:TokenCompressor",
+                               "passage": "kvmesh.compress.passage:PassageCompressor"}
 _loaded: dict[str, Compressor] = {}
 # Kept context may exceed original/target_ratio by this factor before the budget is re-fit.
 _BUDGET_SLACK, _BUDGET_ROUNDS = 1.02, 4
@@ -65,7 +58,8 @@ def get_compressor(method: str) -> Compressor:
         raise InvalidRequestError("compression.method", f"unknown method {method!r}; use one of {sorted(COMPRESSORS)}")
     with _lock:
         if method not in _loaded:
-            _loaded[method] = COMPRESSORS[method]()
+            module, name = COMPRESSORS[method].split(":")
+            _loaded[method] = getattr(importlib.import_module(module), name)()
         return _loaded[method]
 
 
@@ -74,8 +68,6 @@ def default_tokenizer():
     global _default_tokenizer
     with _lock:
         if _default_tokenizer is None:
-            from kvmesh.models.loader import load_tokenizer, resolve_model_path
-
             _default_tokenizer = load_tokenizer(resolve_model_path(None, progress=False))
         return _default_tokenizer
 

@@ -15,6 +15,7 @@ import math
 import os
 from pathlib import Path
 
+from kvmesh.checkpoint.files import load_tokenizer, resolve_model_path
 from kvmesh.compress.options import CompressionOptions
 from kvmesh.compress.text import Span, word_spans
 
@@ -28,8 +29,6 @@ class TokenCompressor:
     def __init__(self, model_path: Path | None = None, chunk_tokens: int = 512, window_tokens: int = 4096):
         import torch
         from transformers import AutoModelForCausalLM
-
-        from kvmesh.models.loader import load_tokenizer, resolve_model_path
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.path = resolve_model_path(None if model_path is None else str(model_path), progress=False)

@@ -50,9 +50,8 @@ def register_backend(scheme: str):
 
 def create_store(url: str) -> KVStore:
     """`memory` / `memory://?max_bytes=N` or `redis://host:port/db?timeout_ms=50`."""
-    # Import backends so they register.
-    from kvmesh.kvstore import memory, redis_store  # noqa: F401
-
+    # The backends registered when the kvmesh.kvstore package (always imported before
+    # this module) imported them.
     scheme = urlparse(url).scheme or url
     if scheme not in _BACKENDS:
         raise ValueError(f"kv_store: unknown store {url!r}; use one of {sorted(_BACKENDS)} URLs")

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvmesh.layers import cpu_kernels
+
 
 @dataclass
 class SeqSpan:
@@ -178,15 +180,11 @@ def get_attention_backend(name: str, block_size: int, device: torch.device) -> A
     if name == "auto":
         name = "torch"
         if device.type == "cpu":
-            from kvmesh.layers import cpu_kernels
-
             if cpu_kernels.load():
                 name = "cpu"
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} unknown; choose from {sorted(BACKENDS)} or auto")
     if name == "cpu":
-        from kvmesh.layers import cpu_kernels
-
         if not cpu_kernels.load():
             raise ValueError("attention backend 'cpu' needs the C++ kernels, which failed to build")
     return BACKENDS[name](block_size, device)

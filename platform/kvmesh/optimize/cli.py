@@ -9,20 +9,18 @@ import argparse
 from pathlib import Path
 
 from kvmesh.errors import ConfigError
+from kvmesh.models.loader import load_arch_config, load_tokenizer, resolve_model_path
+from kvmesh.optimize.corpus import token_windows
+from kvmesh.optimize.distill import DistillConfig, distill
+from kvmesh.optimize.prune import check_output_folder, prune_checkpoint, resolve_shape
 
 
 def _model_path(model: str | None) -> Path:
-    from kvmesh.models.loader import resolve_model_path
-
     return resolve_model_path(None if model in (None, "embedded") else model)
 
 
 def cmd_prune(args) -> int:
     import torch
-
-    from kvmesh.models.loader import load_arch_config, load_tokenizer
-    from kvmesh.optimize.corpus import token_windows
-    from kvmesh.optimize.prune import check_output_folder, prune_checkpoint, resolve_shape
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -41,8 +39,6 @@ def cmd_prune(args) -> int:
 
 
 def cmd_distill(args) -> int:
-    from kvmesh.optimize.distill import DistillConfig, distill
-
     if args.student is not None:
         if args.out is not None:
             raise ConfigError("with --student give only TEACHER OUT, e.g. "

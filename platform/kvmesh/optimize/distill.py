@@ -39,6 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.errors import ConfigError
+from kvmesh.models.loader import load_tokenizer
+from kvmesh.optimize.corpus import token_windows
+from kvmesh.optimize.generate import teacher_chat_windows
 from kvmesh.optimize.prune import META_FILE, first_layers_checkpoint, read_config, write_checkpoint
 
 CHECKPOINT_DIR = "checkpoint"
@@ -354,14 +357,9 @@ def distill(teacher_path: Path, student: str, out: Path, cfg: DistillConfig, *, 
 def training_windows(teacher_path: Path, cfg: DistillConfig, work: Path, progress: bool = True) -> list[list[int]]:
     """The run's training windows for cfg.data (chat data cached in `work` for --resume)."""
     if cfg.data == "chat":
-        from kvmesh.optimize.generate import teacher_chat_windows
-
         return teacher_chat_windows(teacher_path, num_prompts=cfg.chat_prompts, max_tokens=cfg.chat_max_tokens,
                                     seq_len=cfg.seq_len, cache=work / "chat-data.json", threads=cfg.threads,
                                     progress=progress)
-    from kvmesh.models.loader import load_tokenizer
-    from kvmesh.optimize.corpus import token_windows
-
     return token_windows(load_tokenizer(teacher_path), "train", cfg.seq_len, max_windows=cfg.steps * cfg.batch_size)
 
 

@@ -18,6 +18,10 @@ import json
 import os
 from pathlib import Path
 
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.llm import LLM
+from kvmesh.optimize.corpus import chat_prompts, pack_windows
+
 
 def chat_data_key(teacher_path: Path, split: str, num_prompts: int, max_tokens: int, seq_len: int) -> str:
     raw = json.dumps([str(teacher_path.resolve()), split, num_prompts, max_tokens, seq_len])
@@ -28,10 +32,6 @@ def teacher_chat_windows(teacher_path: Path, *, num_prompts: int, max_tokens: in
                          split: str = "train", cache: Path | None = None, threads: int | None = None,
                          progress: bool = True) -> list[list[int]]:
     """seq_len-token windows of the teacher's greedy replies to `num_prompts` chat prompts."""
-    from kvmesh.engine.sampling_params import SamplingParams
-    from kvmesh.llm import LLM
-    from kvmesh.optimize.corpus import chat_prompts, pack_windows
-
     key = chat_data_key(teacher_path, split, num_prompts, max_tokens, seq_len)
     if cache is not None and cache.is_file():
         data = json.loads(cache.read_text())

@@ -35,6 +35,7 @@ import torch
 
 from kvmesh.errors import ConfigError
 from kvmesh.models.arch import ArchConfig
+from kvmesh.models.loader import iter_safetensors
 
 META_FILE = "kvmesh_optimize.json"
 _WEIGHT_FILES = re.compile(r".*\.safetensors(\.index\.json)?$")
@@ -271,8 +272,6 @@ def read_config(path: Path) -> dict:
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    from kvmesh.models.loader import iter_safetensors
-
     return dict(iter_safetensors(path))
 
 

@@ -13,6 +13,8 @@ import json
 import shutil
 from pathlib import Path
 
+from kvmesh.models.loader import iter_safetensors, load_arch_config
+from kvmesh.quant.loader import read_quantization_config
 from kvmesh.quant.methods import QuantMethod
 
 
@@ -20,9 +22,6 @@ def quantize_checkpoint(src: Path, out: Path, method: QuantMethod, progress: boo
     """Quantize `src` (a float HF folder) into `out` (created; must not exist or be empty)."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
-
-    from kvmesh.models.loader import iter_safetensors, load_arch_config
-    from kvmesh.quant.loader import read_quantization_config
 
     if read_quantization_config(src) is not None:
         raise ValueError(f"model: {src} is already quantized; quantize a float checkpoint")

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmesh.checkpoint.embedded import gguf_source, hf_tensor_name, unpermute_rows
 from kvmesh.errors import ConfigError
 from kvmesh.quant.primitives import pack_int4
 
@@ -45,8 +46,6 @@ _TYPES = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q8_0": ("int8", 34),
 
 def find_gguf(path: Path) -> Path:
     """The GGUF file that `path` (a checkpoint folder) was converted from."""
-    from kvmesh.checkpoint.embedded import gguf_source
-
     src = gguf_source(path)
     if src is not None:
         return src
@@ -107,8 +106,6 @@ def convert_tensor(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> 
 
 
 def _permute_rows(t: dict[str, torch.Tensor] | torch.Tensor, n_head: int):
-    from kvmesh.checkpoint.embedded import unpermute_rows
-
     if isinstance(t, dict):
         return {k: torch.from_numpy(np.ascontiguousarray(unpermute_rows(v.numpy(), n_head))) for k, v in t.items()}
     return torch.from_numpy(np.ascontiguousarray(unpermute_rows(t.numpy(), n_head)))
@@ -203,8 +200,6 @@ def read_gguf(src: Path, cfg) -> tuple[dict[str, str], Iterator[tuple[str, torch
     fit `cfg` or holds types kvmesh cannot keep quantized.
     """
     from gguf import GGMLQuantizationType
-
-    from kvmesh.checkpoint.embedded import hf_tensor_name
 
     header = _Header(src)
     meta = header.meta

@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kvmesh.checkpoint.embedded import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "cpu_gemm.c"
@@ -38,8 +40,6 @@ def _cpu_supported() -> bool:
 
 
 def _build() -> Path | None:
-    from kvmesh.checkpoint.embedded import cache_dir
-
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None or not _SRC.is_file():  # a wheel built without package data lacks the source
         return None

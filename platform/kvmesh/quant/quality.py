@@ -18,7 +18,7 @@ from kvmesh.layers.attention import SeqSpan
 @torch.inference_mode()
 def perplexity(engine, token_ids: list[int], chunk: int = 512) -> float:
     """exp(mean NLL) of token_ids[1:] given their prefixes, teacher-forced."""
-    runner, pool = engine.runner, engine.kv_manager.pool
+    runner, pool = engine.executor.runner, engine.kv_manager.pool
     bs, device = runner.block_size, runner.device
     n = len(token_ids)
     if n < 2:

@@ -33,8 +33,15 @@ from __future__ import annotations
 import logging
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
-    generate_latest, start_http_server,
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
 )
 
 logger = logging.getLogger(__name__)

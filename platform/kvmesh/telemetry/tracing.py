@@ -30,6 +30,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from kvmesh.config import TracingConfig
+from kvmesh.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ def configure_tracing(cfg: TracingConfig | None):
     try:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     except ImportError as e:  # optional extra
-        from kvmesh.errors import ConfigError
-
         raise ConfigError("tracing.otlp_endpoint is set but the OTLP exporter is not installed: "
                           "pip install opentelemetry-exporter-otlp-proto-grpc (or unset otlp_endpoint)") from e
     endpoint = cfg.otlp_endpoint

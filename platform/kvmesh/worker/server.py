@@ -321,6 +321,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """This worker's Stats; reads the engine, so only between steps (run_between_steps)."""
         eng = self.engine
         stats, hashes = eng.stats(), eng.kv_manager.pool.cached_block_hashes(max_block_hashes)
+        spec = eng.config.speculative
         c = self.counters
         return worker_pb2.StatsResponse(
             role=self.config.role, address=self.address, model_id=self.config.model_id,
@@ -338,6 +339,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             cached_prompt_tokens_store=c.cached_store, cached_prompt_tokens_transfer=c.cached_transfer,
             kv_store_bytes_read=int(stats.get("kvstore_bytes_read", 0)),
             kv_store_bytes_written=int(stats.get("kvstore_bytes_written", 0)),
+            spec_method=str(stats.get("spec_method", "")),
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None and "spec_method" in stats else 0,
+            spec_proposed_tokens=int(stats.get("spec_proposed_tokens", 0)),
+            spec_accepted_tokens=int(stats.get("spec_accepted_tokens", 0)),
         )
 
 
