@@ -7,7 +7,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from kvmesh.cli import build_parser, serving_config_from_args
+from kvmesh.cli import build_parser
+from kvmesh.cli.serve import serving_config_from_args
 from kvmesh.serve.config import ServingConfig
 
 

@@ -1,0 +1,224 @@
+"""The Ray Serve deployments of kvmesh and `build_app`, which binds them into one app.
+
+`build_app(ServingConfig)` returns an application of three deployments (or two when
+unified): `router` (the public gRPC `kvmesh.v1.LLM` server plus the OpenAI-compatible
+HTTP ingress) and `prefill` / `decode` (or `unified`) workers. Each worker replica runs
+the ordinary kvmesh gRPC worker (engine, paged KV cache, continuous batching, KV
+transfer) on its own `LoopThread` and registers its address in the app's registry
+actor; a removed worker first leaves the registry, then drains its requests, then
+stops. The router replica watches the registry. Requests do not pass through Ray's
+request path: the router talks to workers over gRPC, which streams tokens and KV blocks
+without Ray object-store copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+from ray import serve
+
+from kvmesh.build import build_worker
+from kvmesh.config import EngineConfig
+from kvmesh.router.server import RouterServer, load_router_tokenizer
+from kvmesh.serve.config import ServingConfig
+from kvmesh.serve.loop import LoopThread
+from kvmesh.serve.openai import GrpcBackend, create_app
+from kvmesh.serve.registry import RayActorRegistry, get_registry
+from kvmesh.telemetry.metrics import exposition
+from kvmesh.telemetry.tracing import configure_tracing
+from kvmesh.worker.server import WorkerServer, WorkerServerConfig
+
+logger = logging.getLogger(__name__)
+
+_ROUTER_WAIT_WORKERS_S = 600  # every role must register a worker within this
+
+
+def _advertised_host(bind_host: str) -> str:
+    if bind_host in ("0.0.0.0", "::", ""):
+        return ray.util.get_node_ip_address()
+    return bind_host
+
+
+# -- workers -----------------------------------------------------------------------------
+
+
+async def _start_worker(engine_config: EngineConfig, cfg: ServingConfig, role: str) -> WorkerServer:
+    server = build_worker(engine_config, WorkerServerConfig(
+        role=role, host=cfg.host, port=0, model_id=cfg.model_id, transfer_ttl_s=cfg.transfer_ttl_s))
+    await server.start()
+    return server
+
+
+class WorkerDeployment:
+    """One prefill / decode / unified worker replica."""
+
+    def __init__(self, config: dict[str, Any], role: str):
+        self.config = cfg = ServingConfig.model_validate(config)
+        self.role = role
+        configure_tracing(cfg.tracing)
+        self._loop = LoopThread(f"kvmesh-{role}")
+        # The model loads in a thread of this process; the replica is not ready until it has.
+        self.server = self._loop.run(_start_worker(cfg.engine_for(role), cfg, role))
+        self.address = f"{_advertised_host(cfg.host)}:{self.server.port}"
+        self._registry = get_registry(cfg.name, cfg.registry_ttl_s)
+        ray.get(self._registry.register.remote(self.address, role))
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, daemon=True, name="kvmesh-heartbeat")
+        self._heartbeat.start()
+        logger.info("kvmesh %s worker serving at %s", role, self.address)
+
+    def _beat(self) -> None:
+        period = max(0.5, self.config.registry_ttl_s / 4)
+        while not self._stop.wait(period):
+            try:
+                self._registry.register.remote(self.address, self.role)
+            except Exception as exc:
+                logger.warning("heartbeat to the worker registry failed: %r", exc)
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: the loop runs and the engine's step loop is alive."""
+        if not self._loop.alive():
+            raise RuntimeError("worker event loop stopped")
+        dead = self.server.aengine._dead
+        if dead is not None:
+            raise RuntimeError(f"engine step loop died: {dead!r}")
+
+    async def info(self) -> dict[str, Any]:
+        """Address, role and KV block counts (tests and the admin endpoint)."""
+        st = await self._loop.run_async(self._stats())
+        return {"address": self.address, "role": self.role, **{k: st[k] for k in
+                ("num_running", "num_waiting", "num_free_blocks", "num_usable_blocks") if k in st}}
+
+    async def _stats(self) -> dict[str, Any]:
+        return await self.server.aengine.run_between_steps(self.server.aengine.engine.stats)
+
+    def __del__(self) -> None:
+        # Scale-down / redeploy: leave placement first, then drain, then stop.
+        self._stop.set()
+        try:
+            ray.get(self._registry.unregister.remote(self.address), timeout=5)
+        except Exception as exc:
+            logger.warning("worker %s could not leave the registry (its entry expires): %r", self.address, exc)
+        try:
+            self._loop.run(self._drain_and_stop(), timeout_s=self.config.transfer_ttl_s + 30)
+        except Exception as exc:
+            logger.warning("worker %s did not drain cleanly: %r", self.address, exc)
+        self._loop.stop()
+
+    async def _drain_and_stop(self) -> None:
+        eng = self.server.aengine
+        deadline = time.monotonic() + self.config.transfer_ttl_s + 20
+        while time.monotonic() < deadline:
+            busy = eng.engine.has_unfinished() or len(self.server.servicer.transfers) > 0
+            if not busy:
+                break
+            await asyncio.sleep(0.1)
+        await self.server.stop(grace=2.0)
+
+
+# -- the router and its HTTP ingress --------------------------------------------------------
+
+# Module state of a router replica: the HTTP app (built at import, as Ray Serve's
+# ingress needs) reads its backend from here.
+_STATE: dict[str, Any] = {}
+
+
+def _current_backend() -> GrpcBackend | None:
+    return _STATE.get("backend")
+
+
+_api = create_app(_current_backend, exposition)
+
+
+@_api.get("/kvmesh/workers")
+async def _workers_view():
+    """The router's live view of its workers (role, address, load, free KV blocks)."""
+    router = _STATE.get("router")
+    if router is None:
+        return {"workers": []}
+    out = []
+    for w in router.pool.handles():
+        st = w.stats
+        out.append({"address": w.address, "role": w.role, "healthy": w.healthy(), "in_flight": w.in_flight,
+                    "num_running": st.num_running if st else None,
+                    "num_free_blocks": st.num_free_blocks if st else None})
+    return {"workers": out, "retiring": sorted(router.pool.retiring)}
+
+
+def _wait_for_roles(registry: RayActorRegistry, needed: set[str], timeout_s: float) -> None:
+    """Block until every role in `needed` has a registered worker (replicas of all
+    deployments start together, so the router may come up first)."""
+    deadline = time.monotonic() + timeout_s
+    while not needed <= set(registry.roles().values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers of roles {sorted(needed)} did not register within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+async def _start_router(registry: RayActorRegistry, tokenizer, cfg: ServingConfig, min_workers: int) -> RouterServer:
+    router = RouterServer(registry, tokenizer, cfg.router.config, cfg.model_id, cfg.host, cfg.grpc_port)
+    await router.start(wait_workers_s=300, min_workers=min_workers)
+    return router
+
+
+@serve.ingress(_api)
+class RouterDeployment:
+    """The public gRPC router plus the OpenAI HTTP ingress (through Ray Serve's proxy)."""
+
+    def __init__(self, config: dict[str, Any], workers: dict[str, Any]):
+        self.config = cfg = ServingConfig.model_validate(config)
+        configure_tracing(cfg.tracing)
+        tokenizer = load_router_tokenizer(cfg.engine.model.model)
+        self._registry = RayActorRegistry(get_registry(cfg.name, cfg.registry_ttl_s))
+        self._loop = LoopThread("kvmesh-router")
+        needed = set(cfg.roles())
+        _wait_for_roles(self._registry, needed, _ROUTER_WAIT_WORKERS_S)
+        self.router = self._loop.run(_start_router(self._registry, tokenizer, cfg, len(needed)))
+        self.grpc_address = f"{_advertised_host(cfg.host)}:{self.router.port}"
+        local = f"127.0.0.1:{self.router.port}" if cfg.host in ("0.0.0.0", "127.0.0.1", "localhost") else \
+            self.router.address
+        _STATE["router"] = self.router
+        _STATE["backend"] = GrpcBackend(local, tokenizer, cfg.model_id)
+        logger.info("kvmesh router: gRPC at %s", self.grpc_address)
+
+    async def check_health(self) -> None:
+        if not self._loop.alive():
+            raise RuntimeError("router event loop stopped")
+
+    def __del__(self) -> None:
+        try:
+            self._registry.close()
+            self._loop.run(self.router.stop(grace=5.0), timeout_s=15)
+        except Exception as exc:
+            logger.warning("router did not stop cleanly: %r", exc)
+        self._loop.stop()
+
+
+# -- the application ----------------------------------------------------------------------
+
+
+def build_app(cfg: ServingConfig) -> serve.Application:
+    """The Ray Serve application for `cfg` (see the module docstring)."""
+    data = cfg.runtime_dict()
+    workers = {}
+    for role, wl in cfg.roles().items():
+        dep = serve.deployment(WorkerDeployment).options(
+            name=role,
+            ray_actor_options=wl.resources.ray_actor_options(),
+            health_check_period_s=5, health_check_timeout_s=30,
+            graceful_shutdown_timeout_s=cfg.transfer_ttl_s + 40, graceful_shutdown_wait_loop_s=1,
+            max_ongoing_requests=64, **wl.scaling_options(),
+        )
+        workers[role] = dep.bind(data, role)
+    router = serve.deployment(RouterDeployment).options(
+        name="router",
+        ray_actor_options=cfg.router.resources.ray_actor_options(),
+        health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=20,
+        max_ongoing_requests=1024, **cfg.router.scaling_options(),
+    )
+    return router.bind(data, workers)

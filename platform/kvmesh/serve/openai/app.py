@@ -1,0 +1,108 @@
+"""The OpenAI-compatible FastAPI app: `create_app(get_backend, metrics)` assembles the
+routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/health`, `/metrics`),
+the OpenAI-shaped error handlers (bad bodies become a 400 naming the field) and, when
+`KVMESH_API_KEY` is set, the bearer-key check on `/v1/*`. The routes are module-level
+functions that find the backend through `app.state`, so one app object can be built
+before its backend exists (the Ray replica's case). `serve_http_in_thread` runs an app
+with uvicorn on its own thread, for the local launcher and the router process.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from kvmesh.rpc.auth import api_key, authorized
+from kvmesh.serve.openai import chat, completions
+from kvmesh.serve.openai.backend import GrpcBackend
+from kvmesh.serve.openai.generation import BackendSource
+from kvmesh.serve.openai.protocol import APIError
+
+MetricsRenderer = Callable[[], tuple[bytes, str]]
+
+def create_app(get_backend: Callable[[], GrpcBackend | None], metrics: MetricsRenderer | None = None,
+               title: str = "kvmesh") -> FastAPI:
+    """The OpenAI-compatible app. `get_backend` is called per request (the Ray replica
+    sets its backend after the app object is built); `metrics` renders /metrics."""
+    app = FastAPI(title=f"{title} OpenAI-compatible API")
+    app.state.kvmesh_backends = BackendSource(get_backend)
+    app.state.kvmesh_metrics = metrics
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    key = api_key()
+    if key:
+        app.middleware("http")(functools.partial(_check_api_key, key))
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics_endpoint, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/completions", completions.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat.chat_completions, methods=["POST"])
+    return app
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    msg = f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg", exc))
+    return JSONResponse(APIError(400, msg, param=loc or None).body(), status_code=400)
+
+
+async def _check_api_key(key: str, request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    if request.url.path.startswith("/v1/") and not authorized(request.headers.get("authorization"), key):
+        err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                       "authentication_error", code="invalid_api_key")
+        return JSONResponse(err.body(), status_code=401)
+    return await call_next(request)
+
+
+async def health(request: Request):
+    b = BackendSource.of(request).get()
+    if b is None or not await b.healthy():
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    return {"status": "ok"}
+
+
+async def metrics_endpoint(request: Request):
+    metrics: MetricsRenderer | None = request.app.state.kvmesh_metrics
+    if metrics is None:
+        raise APIError(404, "metrics are not enabled", "not_found_error")
+    body, content_type = metrics()
+    return Response(body, media_type=content_type)
+
+
+async def models(request: Request):
+    b = BackendSource.of(request).require()
+    try:
+        resp = await b.list_models()
+    except grpc.aio.AioRpcError as e:
+        raise APIError.from_grpc(e) from None
+    now = int(time.time())
+    return {"object": "list", "data": [
+        {"id": m.id, "object": "model", "created": now, "owned_by": "kvmesh", "max_model_len": m.max_model_len}
+        for m in resp.models]}
+
+
+def serve_http_in_thread(app: FastAPI, host: str, port: int) -> uvicorn.Server:
+    """Run `app` with uvicorn on its own thread and loop (leaves the caller's signal
+    handling alone). Returns the uvicorn Server; set `server.should_exit = True` to stop."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True, name="kvmesh-http")
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise OSError(f"the HTTP server did not start on {host}:{port}; is the port free?")
+        time.sleep(0.05)
+    return server

@@ -1,0 +1,128 @@
+"""`POST /v1/chat/completions`: chat over the router, one choice per request.
+
+The messages are rendered here with the tokenizer's chat template and sent as token ids,
+so the router never needs the template. kvmesh's `compression` extension compresses the
+`<context>...</context>` spans of each message here, before templating (the router only
+compresses text prompts); usage then reports the uncompressed prompt length as
+`prompt_tokens_details.original_prompt_tokens`. Without `max_tokens` /
+`max_completion_tokens` a reply runs until EOS, bounded by the model's context.
+Streams open with a role-only delta, as OpenAI's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from fastapi import Request
+
+from kvmesh._proto import llm_pb2
+from kvmesh.compress import OPEN, CompressionOptions, compress_prompt
+from kvmesh.errors import InvalidRequestError
+from kvmesh.serve.openai.backend import GrpcBackend
+from kvmesh.serve.openai.generation import (
+    SSE_DONE,
+    BackendSource,
+    build_request,
+    check_model,
+    collect,
+    compression_options,
+    sse,
+    stream_response,
+    usage,
+)
+from kvmesh.serve.openai.protocol import APIError, ChatMessage, ChatRequest
+
+
+# POST /v1/chat/completions, registered by create_app. No docstring: FastAPI would publish it in the
+# OpenAPI schema.
+async def chat_completions(body: ChatRequest, request: Request):
+    b = BackendSource.of(request).require()
+    body.check_unsupported()
+    model = check_model(b, body.model)
+    if body.max_completion_tokens is not None and body.max_tokens is None:
+        body.max_tokens = body.max_completion_tokens
+    ids = b.chat_prompt_ids(body.messages)
+    original_tokens = None
+    comp = compression_options(body)
+    if comp is not None:
+        original_tokens = len(ids)
+        messages = await compress_messages(body.messages, comp, b.tokenizer)
+        ids = b.chat_prompt_ids(messages)
+    n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = body.to_proto(n_logprobs, default_max_tokens=None)
+    if body.max_tokens is None:
+        # Until EOS, bounded by the model's context: the worker caps at max_model_len.
+        params.ClearField("max_tokens")
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    head = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model}
+    req = build_request(cid, ids, params, body)
+    if not body.stream:
+        return await _complete(b, body, req, head, original_tokens)
+    return await stream_response(_events(b, body, req, {**head, "object": "chat.completion.chunk"}, original_tokens))
+
+
+async def _complete(b: GrpcBackend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],
+                    original_tokens: int | None) -> dict[str, Any]:
+    text, msgs = await collect(b, req)
+    last = msgs[-1] if msgs else llm_pb2.GenerateResponse()
+    return {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": _logprobs(b, body, msgs), "finish_reason": last.finish_reason or None}],
+            "usage": usage(last.usage, original_tokens)}
+
+
+async def _events(b: GrpcBackend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],
+                  original_tokens: int | None) -> AsyncIterator[str]:
+    yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]})
+    last = None
+    try:
+        async for msg in b.generate(req):
+            last = msg
+            delta = {"content": msg.text} if msg.text else {}
+            yield sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": _logprobs(b, body, [msg]),
+                                            "finish_reason": msg.finish_reason or None}]})
+        if body.include_usage_in_stream() and last is not None:
+            yield sse({**head, "choices": [], "usage": usage(last.usage, original_tokens)})
+    except grpc.aio.AioRpcError as e:
+        yield sse(APIError.from_grpc(e).body())
+    yield SSE_DONE
+
+
+def _logprobs(b: GrpcBackend, body: ChatRequest, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, Any] | None:
+    """The chat `logprobs` object: per token its text, logprob, bytes and top alternatives."""
+    if not body.logprobs:
+        return None
+    content = []
+    for m in msgs:
+        for lp in m.logprobs:
+            tok = b.token_str(lp.token_id)
+            content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
+                            "top_logprobs": [{"token": b.token_str(t.token_id), "logprob": t.logprob,
+                                              "bytes": list(b.token_str(t.token_id).encode())}
+                                             for t in lp.top]})
+    return {"content": content}
+
+
+async def compress_messages(messages: list[ChatMessage], options: CompressionOptions,
+                            tokenizer) -> list[ChatMessage]:
+    """Compress the `<context>...</context>` spans of each chat message (off the event
+    loop: the compressors run models). Messages without spans are unchanged."""
+    if not any(OPEN in m.text() for m in messages):
+        raise APIError(400, f"compression: no message has a {OPEN}...</context> span to compress; mark the "
+                            "retrieved context or drop compression", param="compression")
+    out = []
+    for m in messages:
+        text = m.text()
+        if OPEN in text:
+            try:
+                result = await asyncio.to_thread(compress_prompt, text, options, tokenizer=tokenizer)
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), param=getattr(e, "field", "compression")) from None
+            m = ChatMessage(role=m.role, content=result.text)
+        out.append(m)
+    return out

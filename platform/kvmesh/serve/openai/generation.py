@@ -1,0 +1,177 @@
+"""What the completion and chat routes share, from a validated body to the router and back.
+
+`BackendSource` holds the app's backend getter (on `app.state`; the Ray replica sets its
+backend after the app object is built, so the getter is called per request). The
+helpers below turn a body into `GenerateRequest`s (model check, kvmesh's `compression`
+extension), collect or merge the router's response streams, and render OpenAI usage and
+server-sent events. `stream_response` starts a stream but turns an error before the
+first token into a plain HTTP error, so a bad request never looks like a 200 stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvmesh._proto import llm_pb2
+from kvmesh.compress import CompressionOptions, options_from_openai, options_to_proto
+from kvmesh.errors import InvalidRequestError
+from kvmesh.serve.openai.backend import GrpcBackend
+from kvmesh.serve.openai.protocol import APIError, SamplingFields
+
+
+class BackendSource:
+    """The app's backend getter; `require()` is the backend a request is served by."""
+
+    def __init__(self, get_backend: Callable[[], GrpcBackend | None]):
+        self.get = get_backend
+
+    def require(self) -> GrpcBackend:
+        b = self.get()
+        if b is None:
+            raise APIError(503, "the server is starting; retry shortly", "service_unavailable")
+        return b
+
+    @staticmethod
+    def of(request: Request) -> BackendSource:
+        return request.app.state.kvmesh_backends
+
+
+def check_model(b: GrpcBackend, model: str | None) -> str:
+    if model and model != b.model_id:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{b.model_id}`",
+                       "not_found_error", param="model", code="model_not_found")
+    return b.model_id
+
+
+def compression_options(body: SamplingFields) -> CompressionOptions | None:
+    """Validated `compression` options (a kvmesh extension), or None."""
+    if body.compression is None:
+        return None
+    try:
+        return options_from_openai({"compression": body.compression})
+    except (InvalidRequestError, ValueError) as e:
+        raise APIError(400, str(e), param=getattr(e, "field", "compression")) from None
+
+
+def build_request(rid: str, prompt: str | list[int], params: llm_pb2.SamplingParams,
+                  body: SamplingFields) -> llm_pb2.GenerateRequest:
+    req = llm_pb2.GenerateRequest(request_id=rid, params=params)
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.extend(prompt)
+    if isinstance(prompt, str):  # the router compresses text prompts (chat is compressed here)
+        comp = compression_options(body)
+        if comp is not None:
+            req.compression.CopyFrom(options_to_proto(comp))
+    return req
+
+
+async def collect(b: GrpcBackend, req: llm_pb2.GenerateRequest) -> tuple[str, list[llm_pb2.GenerateResponse]]:
+    msgs = []
+    try:
+        async for msg in b.generate(req):
+            msgs.append(msg)
+    except grpc.aio.AioRpcError as e:
+        raise APIError.from_grpc(e) from None
+    return "".join(m.text for m in msgs), msgs
+
+
+def usage(u: llm_pb2.Usage, original_prompt_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI usage; `prompt_tokens_details.original_prompt_tokens` (kvmesh) appears
+    when prompt compression shortened the prompt."""
+    details: dict[str, Any] = {"cached_tokens": u.cached_prompt_tokens}
+    original = original_prompt_tokens or u.original_prompt_tokens
+    if original:
+        details["original_prompt_tokens"] = original
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens, "prompt_tokens_details": details}
+
+
+def sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """Usage of several choices (a batch of prompts) added up, details included."""
+    total: dict[str, Any] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    for u in usages:
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            total[k] += u[k]
+        for k, v in u["prompt_tokens_details"].items():
+            total["prompt_tokens_details"][k] = total["prompt_tokens_details"].get(k, 0) + v
+    return total
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def stream_response(events: AsyncIterator[str]) -> Response:
+    """Start the stream, but turn an error before the first token into a plain HTTP
+    error (a bad request must not look like a 200 stream)."""
+    first: list[str] = []
+    it = events.__aiter__()
+    try:
+        first.append(await it.__anext__())
+        first.append(await it.__anext__())
+    except StopAsyncIteration:
+        pass
+    for chunk in first:
+        if chunk.startswith('data: {"error"'):
+            err = json.loads(chunk[len("data: "):])["error"]
+            status = err.get("code") if isinstance(err.get("code"), int) else None
+            code_name = err.get("code") if isinstance(err.get("code"), str) else None
+            status = status or {"invalid_argument": 400, "not_found": 404, "unavailable": 503,
+                                "deadline_exceeded": 504, "resource_exhausted": 429}.get(code_name or "", 500)
+            return JSONResponse({"error": err}, status_code=status)
+
+    async def body() -> AsyncIterator[str]:
+        for chunk in first:
+            yield chunk
+        async for chunk in it:
+            yield chunk
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def merge_streams(streams: list[AsyncIterator[llm_pb2.GenerateResponse]]):
+    """Interleave several response streams as (index, message), in arrival order."""
+    if len(streams) == 1:
+        async for msg in streams[0]:
+            yield 0, msg
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: AsyncIterator[llm_pb2.GenerateResponse]) -> None:
+        try:
+            async for msg in s:
+                await queue.put((i, msg))
+        except BaseException as e:  # re-raised in the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

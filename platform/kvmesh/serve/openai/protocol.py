@@ -1,0 +1,165 @@
+"""The OpenAI wire shapes kvmesh speaks: request bodies (pydantic) and the error shape.
+
+Request models ignore unknown fields (as vLLM does) and reject known but unsupported
+ones with a non-default value (n > 1, echo, tools, ...) with a 400 that says what to
+change. `APIError` is the OpenAI error `{"error": {"message", "type", "param", "code"}}`
+with its HTTP status; `APIError.from_grpc` maps the router's gRPC status onto it
+(INVALID_ARGUMENT -> 400, UNAVAILABLE -> 503, ...), naming the offending field when
+kvmesh's message starts with it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvmesh._proto import llm_pb2
+from kvmesh.errors import KVMeshError
+
+_HTTP_OF_GRPC = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+}
+
+
+class APIError(KVMeshError):
+    """An OpenAI-style HTTP error: `status` is the HTTP status, `body()` the JSON."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code or self.status}}
+
+    @classmethod
+    def from_grpc(cls, exc: grpc.aio.AioRpcError) -> APIError:
+        status, type_ = _HTTP_OF_GRPC.get(exc.code(), (500, "internal_error"))
+        message = exc.details() or exc.code().name
+        # kvmesh's INVALID_ARGUMENT messages start with the field: "max_tokens: must be ..."
+        m = re.match(r"([A-Za-z_][\w.]*): ", message) if status == 400 else None
+        return cls(status, message, type_, param=m.group(1) if m else None, code=exc.code().name.lower())
+
+
+class SamplingFields(BaseModel):
+    """Fields common to completions and chat; unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, description="Default 16 (completions) / until EOS (chat).")
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = 1
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    compression: dict[str, Any] | None = Field(
+        None, description="kvmesh extension: prompt compression {method, target_ratio} (see kvmesh.compress)."
+    )
+
+    def check_unsupported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "n must be 1: kvmesh returns one choice per request; send n requests", param="n")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported; leave it unset", param="best_of")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported; leave it unset", param="logit_bias")
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    def to_proto(self, logprobs: int | None, default_max_tokens: int | None) -> llm_pb2.SamplingParams:
+        msg = llm_pb2.SamplingParams(ignore_eos=self.ignore_eos,
+                                     include_stop_str_in_output=self.include_stop_str_in_output)
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        scalars = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                   "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
+                   "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                   "repetition_penalty": self.repetition_penalty, "skip_special_tokens": self.skip_special_tokens,
+                   "logprobs": logprobs}
+        for name, value in scalars.items():
+            if value is not None:
+                setattr(msg, name, value)
+        if self.stop is not None:
+            msg.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
+        if self.stop_token_ids:
+            msg.stop_token_ids.extend(self.stop_token_ids)
+        return msg
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # a batch of prompts: one choice each
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise APIError(400, f"content part of type {part.get('type')!r} is not supported; send text parts",
+                               param="messages")
+            parts.append(part.get("text", ""))
+        return "".join(parts)
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise APIError(400, "tools / function calling is not supported by kvmesh yet; remove tools",
+                           param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {type: text} is supported", param="response_format")
