@@ -78,8 +78,11 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: Request) ->
 
 
 async def run_load(base_url: str, model: str, requests: list[Request], rate: float, seed: int = 0,
-                   timeout_s: float = 600.0, progress=None) -> tuple[list[Result], float]:
-    """Send `requests` open-loop at `rate` req/s (inf: all at once); returns (results, wall seconds)."""
+                   timeout_s: float = 600.0, progress=None,
+                   arrivals_s: list[float] | None = None) -> tuple[list[Result], float]:
+    """Send `requests` open-loop at `rate` req/s (inf: all at once), or at the given
+    `arrivals_s` (seconds from the start, one per request: a trace replay); returns
+    (results, wall seconds)."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=len(requests) + 8, max_keepalive_connections=len(requests) + 8)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
@@ -90,7 +93,11 @@ async def run_load(base_url: str, model: str, requests: list[Request], rate: flo
             tasks.append(asyncio.create_task(_one(client, url, model, req)))
             if progress is not None:
                 tasks[-1].add_done_callback(lambda _: progress.update(1))
-            if not math.isinf(rate):
+            if arrivals_s is not None:
+                nxt = len(tasks)
+                if nxt < len(arrivals_s):
+                    await asyncio.sleep(max(0.0, t0 + arrivals_s[nxt] - time.perf_counter()))
+            elif not math.isinf(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - t0

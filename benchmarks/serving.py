@@ -165,8 +165,8 @@ def make_prompts(seed: int, vocab: int, args) -> list[tuple[int, list[int]]]:
 
 
 def tiny_model() -> Path:
-    """The tests' tiny random Llama (tests/conftest.py), built into a temp folder."""
-    spec = importlib.util.spec_from_file_location("kvmesh_tests_conftest", ROOT / "tests" / "conftest.py")
+    """The tests' tiny random Llama (tests/tiny_models.py), built into a temp folder."""
+    spec = importlib.util.spec_from_file_location("kvmesh_tests_tiny_models", ROOT / "tests" / "tiny_models.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.build_tiny_model(Path(tempfile.mkdtemp(prefix="kvmesh-bench-tiny-")))

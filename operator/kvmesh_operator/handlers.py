@@ -15,7 +15,7 @@ from typing import Any
 
 import kopf
 
-from kvmesh_operator import GROUP, PLURAL, VERSION, k8s, metrics, render
+from kvmesh_operator import GROUP, PLURAL, VERSION, k8s, metrics, render, security
 from kvmesh_operator import status as st
 from kvmesh_operator.spec import SpecError, check_name, parse_spec
 
@@ -97,7 +97,10 @@ def _children(name: str) -> list[tuple[str, str, str]]:
     names = render.child_names(name)
     return [("ray.io/v1", "rayservices", names["rayservice"]), ("v1", "services", names["grpc"]),
             ("v1", "services", names["http"]), ("v1", "services", names["redis"]),
-            ("apps/v1", "deployments", names["redis"]), ("v1", "configmaps", names["configmap"])]
+            ("apps/v1", "deployments", names["redis"]), ("v1", "configmaps", names["configmap"]),
+            ("networking.k8s.io/v1", "networkpolicies", names["workers-policy"]),
+            ("networking.k8s.io/v1", "networkpolicies", names["redis-policy"]),
+            ("v1", "secrets", security.internal_secret_name(name)), ("v1", "secrets", security.redis_secret_name(name))]
 
 
 async def _prune(api: k8s.Api, t: render.Target, uid: str) -> None:
@@ -107,6 +110,18 @@ async def _prune(api: k8s.Api, t: render.Target, uid: str) -> None:
     name = render.child_names(t.name)["redis"]
     for api_version, plural in (("apps/v1", "deployments"), ("v1", "services")):
         await _delete_owned(api, api_version, plural, t.namespace, name, uid)
+    await _delete_owned(api, "networking.k8s.io/v1", "networkpolicies", t.namespace,
+                        render.child_names(t.name)["redis-policy"], uid)
+    await _delete_owned(api, "v1", "secrets", t.namespace, security.redis_secret_name(t.name), uid)
+
+
+async def _ensure_secrets(api: k8s.Api, t: render.Target, body: kopf.Body) -> None:
+    """Create the generated Secrets that do not exist yet (random values, made once)."""
+    for gen in security.generated_secrets(t.name, t.spec):
+        if await api.get("v1", "secrets", t.namespace, gen.name) is None:
+            obj = security.secret_manifest(gen, t.namespace, render.labels(t, "secret"))
+            kopf.adopt(obj, owner=body)
+            await api.create(obj)
 
 
 @kopf.on.resume(*RESOURCE)
@@ -127,6 +142,7 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, spec: kopf.Spec,
     kopf.adopt(objects, owner=body)
     api = _api(memo)
     try:
+        await _ensure_secrets(api, t, body)
         for obj in objects:
             await api.apply(obj)
         await _prune(api, t, meta["uid"])

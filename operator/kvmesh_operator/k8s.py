@@ -50,6 +50,8 @@ KINDS = (
     Kind("v1", "ConfigMap", "configmaps", client.CoreV1Api, "config_map"),
     Kind("v1", "Service", "services", client.CoreV1Api, "service"),
     Kind("apps/v1", "Deployment", "deployments", client.AppsV1Api, "deployment"),
+    Kind("v1", "Secret", "secrets", client.CoreV1Api, "secret"),
+    Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies", client.NetworkingV1Api, "network_policy"),
     Kind("ray.io/v1", "RayService", "rayservices"),
 )
 _BY_KIND = {(k.api_version, k.kind): k for k in KINDS}
@@ -208,6 +210,18 @@ class Api:
                                + ("; install KubeRay first" if obj["apiVersion"].startswith("ray.io/") else "")
                                ) from e
             raise
+
+    async def create(self, obj: dict[str, Any]) -> bool:
+        """Create `obj` unless an object of that name exists (never overwrites: generated
+        Secrets keep their first value). True when created."""
+        kind, meta = kind_of(obj), obj["metadata"]
+        try:
+            await self._call(kind, "create", meta["namespace"], body=obj, field_manager=FIELD_MANAGER)
+        except ApiError as e:
+            if e.status == 409:  # AlreadyExists
+                return False
+            raise
+        return True
 
     async def delete(self, api_version: str, plural: str, namespace: str, name: str) -> bool:
         """Delete (owned objects go with it); False when it did not exist."""

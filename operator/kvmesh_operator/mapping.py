@@ -20,6 +20,8 @@ from kvmesh_operator.quantity import parse_quantity
 from kvmesh_operator.spec import MODEL_MOUNT, LLMServiceSpec, SpecError, WorkloadSpec, check_name, format_errors
 
 REDIS_PORT = 6379
+TLS_MOUNT = "/etc/kvmesh/tls"
+"""Where spec.tls.secretName is mounted in the router (and head) pods."""
 ROLES = ("router", "prefill", "decode")
 """Ray worker groups. In unified mode the `decode` group runs the `unified` deployment."""
 
@@ -71,7 +73,8 @@ def _workload(w: WorkloadSpec, group: str) -> dict[str, Any]:
                            "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in w.tolerations]}
     if w.scaling is not None:
         out["autoscaling"] = {"min_replicas": w.scaling.min_replicas, "max_replicas": w.scaling.max_replicas,
-                              "target_ongoing_requests": w.scaling.target_ongoing_requests}
+                              "target_ongoing_requests": w.scaling.target_ongoing_requests,
+                              "signals": w.scaling.signals}
     else:
         out["replicas"] = w.bounds()[0]
     return out
@@ -110,6 +113,7 @@ def to_serving_config(spec: LLMServiceSpec, *, name: str = "kvmesh", namespace: 
     data: dict[str, Any] = {
         "name": name, "model_id": spec.model.name or name, "engine": _engine(spec), "router": router,
         "decode": _workload(spec.decode, "decode"),
+        "slo": {"ttft_s": spec.slo.ttft_seconds, "tpot_s": spec.slo.tpot_seconds},
         "tracing": {"otlp_endpoint": spec.tracing.otlp_endpoint, "sample_ratio": spec.tracing.sample_ratio,
                     "service_name": name},
         "host": "0.0.0.0",
@@ -118,6 +122,10 @@ def to_serving_config(spec: LLMServiceSpec, *, name: str = "kvmesh", namespace: 
         data["prefill"] = _workload(spec.prefill, "prefill")
         if (spec.prefill.resources.gpu > 0) != (spec.decode.resources.gpu > 0):
             data["prefill"]["engine_overrides"] = {"device": "cuda" if spec.prefill.resources.gpu else "cpu"}
+    if spec.tls is not None:
+        data["security"] = {"tls_cert_file": f"{TLS_MOUNT}/tls.crt", "tls_key_file": f"{TLS_MOUNT}/tls.key"}
+        if spec.tls.client_ca_key:
+            data["security"]["tls_client_ca_file"] = f"{TLS_MOUNT}/{spec.tls.client_ca_key}"
     redis = spec.cache.redis
     if redis is not None:
         url = redis.url or f"redis://{redis_service_name(name)}.{namespace}.svc:{REDIS_PORT}/0"

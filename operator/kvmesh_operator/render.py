@@ -9,8 +9,10 @@ handlers (`kopf.adopt`). Objects, all named after the LLMService `<name>`:
     ConfigMap   <name>-config   the ServingConfig as YAML (what the app runs; for people and tools)
     Service     <name>-grpc     :50051 -> router pods (kvmesh.v1.LLM gRPC)
     Service     <name>-http     :8000  -> router pods (Ray Serve's HTTP proxy, OpenAI API)
-    Deployment  <name>-redis    only with spec.cache.redis.managed
+    Deployment  <name>-redis    only with spec.cache.redis.managed (with --requirepass)
     Service     <name>-redis    only with spec.cache.redis.managed
+    NetworkPolicy <name>-workers, <name>-redis   see `security` (which also names the
+                                generated Secrets and the secrets every Ray pod gets)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import yaml
 
 from kvmesh.serve.config import ServingConfig
-from kvmesh_operator import GROUP
+from kvmesh_operator import GROUP, security
 from kvmesh_operator.mapping import REDIS_PORT, pvc_claims, ray_resource, redis_service_name, to_serving_config
 from kvmesh_operator.quantity import parse_quantity, ray_cpus
 from kvmesh_operator.spec import MODEL_MOUNT, LLMServiceSpec, ResourcesSpec, WorkloadSpec
@@ -78,7 +80,8 @@ def _meta(t: Target, name: str, component: str) -> dict[str, Any]:
 def child_names(name: str) -> dict[str, str]:
     """The name of every object the operator may own for LLMService `name`, by what it is."""
     return {"rayservice": name, "configmap": f"{name}-config", "grpc": f"{name}-grpc",
-            "http": f"{name}-http", "redis": redis_service_name(name)}
+            "http": f"{name}-http", "redis": redis_service_name(name), "workers-policy": f"{name}-workers",
+            "redis-policy": f"{name}-redis"}
 
 
 def endpoints(t: Target) -> dict[str, str]:
@@ -126,13 +129,15 @@ def pod_template(t: Target, group: str, resources: ResourcesSpec, *, workload: W
     }
     if ports:
         container["ports"] = ports
-    if env:
-        container["env"] = env
+    env = [*(env or []), *security.pod_env(t.name, t.spec)]
+    container["env"] = env
     spec: dict[str, Any] = {"containers": [container]}
+    volumes, mounts = security.tls_volume(t.spec)
     if group != "head" and group != "router":
-        volumes, mounts = _model_volumes(t)
-        if volumes:
-            spec["volumes"], container["volumeMounts"] = volumes, mounts
+        model_volumes, model_mounts = _model_volumes(t)
+        volumes, mounts = [*volumes, *model_volumes], [*mounts, *model_mounts]
+    if volumes:
+        spec["volumes"], container["volumeMounts"] = volumes, mounts
     if workload is not None:
         if workload.node_selector:
             spec["nodeSelector"] = dict(workload.node_selector)
@@ -182,9 +187,19 @@ def serve_config(cfg: ServingConfig) -> dict[str, Any]:
     return {
         # Proxies on every node: the router pods serve HTTP too (see the -http Service).
         "proxy_location": "EveryNode",
-        "http_options": {"host": "0.0.0.0", "port": cfg.http_port},
+        "http_options": {"host": "0.0.0.0", "port": cfg.http_port, **_proxy_tls(cfg)},
         "applications": [cfg.ray_serve_application(APP_IMPORT_PATH)],
     }
+
+
+def _proxy_tls(cfg: ServingConfig) -> dict[str, str]:
+    sec = cfg.security
+    if not sec.tls:
+        return {}
+    out = {"ssl_certfile": sec.tls_cert_file, "ssl_keyfile": sec.tls_key_file}
+    if sec.tls_client_ca_file:
+        out["ssl_ca_certs"] = sec.tls_client_ca_file
+    return out
 
 
 def rayservice(t: Target, cfg: ServingConfig) -> dict[str, Any]:
@@ -233,9 +248,11 @@ def redis(t: Target) -> list[dict[str, Any]]:
     cap = int(parse_quantity(spec.max_memory))
     limit = f"{(cap + cap // 4 + (64 << 20)) >> 20}Mi"  # headroom for fragmentation and buffers
     selector = {LABEL_SERVICE: t.name, "app.kubernetes.io/component": "redis"}
+    auth_env, auth_args = security.redis_auth(t.name)
     container = {
-        "name": "redis", "image": t.defaults.redis_image,
-        "args": ["--maxmemory", str(cap), "--maxmemory-policy", "allkeys-lru", "--save", "", "--appendonly", "no"],
+        "name": "redis", "image": t.defaults.redis_image, "env": auth_env,
+        "args": ["--maxmemory", str(cap), "--maxmemory-policy", "allkeys-lru", "--save", "", "--appendonly", "no",
+                 *auth_args],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
         "resources": {"requests": {"cpu": "100m", "memory": limit}, "limits": {"memory": limit}},
         "readinessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 5},
@@ -255,5 +272,6 @@ def redis(t: Target) -> list[dict[str, Any]]:
 def render_all(t: Target) -> list[dict[str, Any]]:
     """Every object this LLMService needs, in apply order (Redis and config before Ray)."""
     cfg = t.serving_config()
-    return [configmap(t, cfg), *redis(t), rayservice(t, cfg), grpc_service(t), http_service(t)]
+    policies = security.network_policies(t.name, t.namespace, t.spec, labels(t, "network-policy"))
+    return [configmap(t, cfg), *redis(t), *policies, rayservice(t, cfg), grpc_service(t), http_service(t)]
 

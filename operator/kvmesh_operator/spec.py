@@ -20,7 +20,7 @@ from pydantic.alias_generators import to_camel
 from kvmesh.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvmesh.router.config import RouterConfig, ScorerWeight
 from kvmesh.router.plugins import PLUGINS
-from kvmesh.serve.config import Autoscaling, KVStoreConfig, TracingConfig
+from kvmesh.serve.config import Autoscaling, KVStoreConfig, SLOTargets, TracingConfig
 from kvmesh_operator.quantity import Quantity
 
 MODEL_MOUNT = "/mnt/models"
@@ -96,7 +96,8 @@ class ResourcesSpec(_Spec):
 
 
 class ScalingSpec(_Spec):
-    """Ray Serve autoscaling on ongoing requests; the Ray worker group scales with it."""
+    """Ray Serve autoscaling (worker roles: on kvmesh's queue depth, KV usage and TTFT / TPOT
+    against spec.slo by default); the Ray worker group scales with it."""
 
     model_config = ConfigDict(**_Spec.model_config,
                               json_schema_extra=_cel(
@@ -106,6 +107,7 @@ class ScalingSpec(_Spec):
     min_replicas: int = _mirror(Autoscaling, "min_replicas")
     max_replicas: int = _mirror(Autoscaling, "max_replicas")
     target_ongoing_requests: float = _mirror(Autoscaling, "target_ongoing_requests")
+    signals: Literal["kvmesh", "ongoing_requests"] = _mirror(Autoscaling, "signals")
 
     @model_validator(mode="after")
     def _check(self) -> "ScalingSpec":
@@ -217,6 +219,13 @@ class PromptCacheSpec(_Spec):
         return self
 
 
+class SLOSpec(_Spec):
+    """Latency targets (p90) that worker autoscaling holds: prefill replicas for TTFT, decode for TPOT."""
+
+    ttft_seconds: float = _mirror(SLOTargets, "ttft_s")
+    tpot_seconds: float = _mirror(SLOTargets, "tpot_s")
+
+
 class TracingSpec(_Spec):
     otlp_endpoint: str | None = _mirror(TracingConfig, "otlp_endpoint")
     sample_ratio: float = _mirror(TracingConfig, "sample_ratio")
@@ -230,6 +239,18 @@ class SecretKeyRef(_Spec):
 class AuthSpec(_Spec):
     api_key_secret_ref: SecretKeyRef | None = Field(
         None, description="API key clients must send; given to the router and head pods as KVMESH_API_KEY.")
+    internal_token_secret_ref: SecretKeyRef | None = Field(
+        None, description="Token every router -> worker and worker -> worker call carries (KVMESH_INTERNAL_TOKEN); "
+        "unset: the operator generates one in the Secret <name>-internal (with the KV HMAC key).")
+
+
+class TLSSpec(_Spec):
+    """TLS of the public endpoints (gRPC and HTTP): a kubernetes.io/tls Secret mounted into the router pods."""
+
+    secret_name: str = Field(min_length=1, description="Secret of type kubernetes.io/tls (tls.crt, tls.key) in "
+                             "the LLMService's namespace.")
+    client_ca_key: str | None = Field(None, min_length=1, description="Key of a CA bundle in the same Secret; set: "
+                                      "clients must present a certificate it signed (mutual TLS).")
 
 
 class HeadSpec(_Spec):
@@ -249,8 +270,11 @@ class LLMServiceSpec(_Spec):
     decode: WorkloadSpec = Field(default_factory=WorkloadSpec, description="Decode (or unified) replicas.")
     cache: CacheSpec = Field(default_factory=CacheSpec)
     prompt_cache: list[PromptCacheSpec] = Field(default_factory=list, description="Prompts pinned at startup.")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="Latency targets of SLO autoscaling.")
     tracing: TracingSpec = Field(default_factory=TracingSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
+    tls: TLSSpec | None = Field(None, description="Serve gRPC and HTTP over TLS; unset: plaintext (TLS "
+                                "terminated elsewhere, e.g. at a Gateway).")
 
     @property
     def mode(self) -> Literal["unified", "disaggregated"]:

@@ -23,9 +23,11 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.interfaces import ModelInfo
 from kvmesh.errors import ConfigError
 from kvmesh.kvstore import BlockCodec, create_store
+from kvmesh.kvstore.codec import load_mac_key
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.loader import load_arch_config
 from kvmesh.quant.loader import load_model, quantization_id
+from kvmesh.rpc.internal_auth import InternalAuth
 from kvmesh.telemetry.workers import CacheSourceTracker
 from kvmesh.worker.executor import Executor, Proposer
 from kvmesh.worker.kv_connector import StoreConnector
@@ -89,14 +91,18 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
         path, {"dtype": mc.dtype, "block_size": cc.block_size,
                "quantization": quantization_id(path, mc.quantization, mc.quantization_group_size)}
     )
+    graph_batch = min(config.cuda_graph_max_batch_size, config.scheduler.max_num_seqs) if config.cuda_graphs else 0
     runner = ModelRunner(model, arch, cc.block_size, num_blocks, device, seed=mc.seed,
-                         attention_backend=config.attention_backend)
+                         attention_backend=config.attention_backend, cuda_graph_max_batch=graph_batch,
+                         max_model_len=max_model_len)
     proposer = None
     if config.speculative is not None:
         proposer = _build_proposer(config, config.speculative, path, model, arch, max_model_len, num_blocks)
     connector = None
     if config.kv_store:
-        codec = BlockCodec(fingerprint, mc.dtype, cc.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim)
+        # KVMESH_KV_HMAC_KEY set: blocks in the shared store are authenticated (kvstore/codec.py).
+        codec = BlockCodec(fingerprint, mc.dtype, cc.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                           mac_key=load_mac_key())
         connector = StoreConnector(create_store(config.kv_store), codec, runner, config.kv_store_ttl_s)
     info = ModelInfo(path=str(path), fingerprint=fingerprint, vocab_size=arch.vocab_size,
                      max_model_len=max_model_len, eos_token_id=_eos_token_id(tokenizer, arch))
@@ -117,7 +123,7 @@ def build_async_engine(config: EngineConfig | None = None, progress: bool = True
 
 
 def build_worker(config: EngineConfig | None, server_config: WorkerServerConfig | None = None,
-                 progress: bool = False) -> WorkerServer:
+                 progress: bool = False, auth: InternalAuth | None = None) -> WorkerServer:
     """A gRPC worker (not started; call it on the event loop that will run it). Its
     engine's KV loader is a chain: KV pulled from a
     prefill worker if staged for the request, else the shared store; a tracker notes
@@ -127,7 +133,7 @@ def build_worker(config: EngineConfig | None, server_config: WorkerServerConfig 
     sources = CacheSourceTracker(pulled)
     engine = _warm(LLMEngine(parts.config, parts.executor, parts.tokenizer, parts.info,
                              kv_loader=sources, kv_connector=parts.connector))
-    return WorkerServer(AsyncLLMEngine(engine), server_config or WorkerServerConfig(), pulled, sources)
+    return WorkerServer(AsyncLLMEngine(engine), server_config or WorkerServerConfig(), pulled, sources, auth)
 
 
 def _config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:

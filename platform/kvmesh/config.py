@@ -54,12 +54,23 @@ class CacheConfig(_Base):
         0.85, gt=0, le=1, description="Fraction of free accelerator memory for KV (CUDA)."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse cached full blocks across requests.")
+    max_pinned_fraction: float = Field(
+        0.5, ge=0, le=1,
+        description="Pinned prompts (cache_prompt, prompt_cache) may hold at most this fraction of the usable "
+        "KV blocks; a pin over it is refused at once with RESOURCE_EXHAUSTED. Pins always leave room for one "
+        "max_model_len request, whatever the fraction.",
+    )
 
 
 class SchedulerConfig(_Base):
     max_num_seqs: int = Field(64, ge=1, description="Max requests running in one step.")
     max_num_batched_tokens: int = Field(
         1024, ge=1, description="Token budget per step; longer prompts are prefilled in chunks."
+    )
+    step_timeout_s: float = Field(
+        120.0, gt=0,
+        description="Step watchdog: a serving engine whose step runs longer than this is reported unhealthy "
+        "(gRPC health NOT_SERVING, Ray health check failing) so a supervisor replaces it.",
     )
 
 
@@ -130,8 +141,18 @@ class EngineConfig(_Base):
         default_factory=list, description="Prompts to compute and pin at startup."
     )
     speculative: SpeculativeConfig | None = Field(None, description="Speculative decoding; None = off.")
-    attention_backend: Literal["auto", "torch", "cpu"] = Field(
-        "auto", description="auto: C++ paged kernels on CPU when they build, else the PyTorch reference."
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto", description="auto: C++ paged kernels on CPU when they build, Triton kernels on CUDA when "
+        "triton is installed, else the PyTorch reference. triton needs a CUDA device and `kvmesh[gpu]`."
+    )
+    cuda_graphs: bool = Field(
+        True, description="On CUDA with the triton backend, replay decode-only steps from CUDA graphs "
+        "captured at start-up (one per batch bucket 1, 2, 4, ... up to cuda_graph_max_batch_size; the "
+        "capture time is logged). Off: every step runs eagerly. Ignored on CPU.",
+    )
+    cuda_graph_max_batch_size: int = Field(
+        64, ge=1, le=512, description="Largest decode batch replayed from a CUDA graph (capped at "
+        "max_num_seqs); larger decode batches and steps with prefill chunks run eagerly.",
     )
 
     @model_validator(mode="after")

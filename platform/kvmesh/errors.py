@@ -44,5 +44,25 @@ class BlockDecodeError(KVMeshError, ValueError):
     checksum, truncated); `kind` names the reason for the rejection counters."""
 
     def __init__(self, kind: str, message: str):
-        self.kind = kind  # "corrupt" | "foreign" | "truncated"
+        self.kind = kind  # "corrupt" | "foreign" | "truncated" | "forged" (no valid HMAC)
         super().__init__(f"{kind}: {message}")
+
+
+class StepFailedError(KVMeshError, RuntimeError):
+    """A step of the engine raised (a kernel, the sampler, a KV connector). The requests
+    of that step were failed and their KV blocks freed; the engine keeps serving every
+    other request. `request_ids` names the failed requests; `cause` is the exception."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        self.request_ids = list(request_ids)
+        self.cause = cause
+        super().__init__(f"engine step failed for {len(self.request_ids)} request(s): {cause!r}")
+
+
+class ResourceExhaustedError(KVMeshError, RuntimeError):
+    """A quota or capacity limit refuses the request now (gRPC RESOURCE_EXHAUSTED, HTTP
+    429); `field` names the limit. It is refused at once, never queued behind the limit."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")

@@ -61,10 +61,14 @@ def test_serve_local_serves_then_stops_cleanly(tiny_llama, tmp_path):
             socket.create_connection((host, int(p)), timeout=1).close()
 
 
+INTERNAL_TOKEN = "serve-local-test-token"  # worker ports refuse calls without it (README "Security")
+
+
 def _start_local(tiny_llama, tmp_path, *extra):
     port = free_port()
     log = tmp_path / "serve.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "KVMESH_INTERNAL_TOKEN": INTERNAL_TOKEN}
     fh = open(log, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvmesh.cli", "serve", "--local", "--model", str(tiny_llama), "--port", str(port),
@@ -89,11 +93,12 @@ def _stop(proc):
             proc.wait()
 
 
-async def _worker_stats(address):
+async def _worker_stats(address, token: str | None = INTERNAL_TOKEN):
     from kvmesh._proto import worker_pb2, worker_pb2_grpc
 
+    metadata = (("kvmesh-internal-token", token),) if token else None
     async with grpc.aio.insecure_channel(address) as ch:
-        return await worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10)
+        return await worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest(), timeout=10, metadata=metadata)
 
 
 @pytest.mark.timeout(180)
@@ -115,6 +120,9 @@ def test_serve_local_hands_workers_the_whole_engine_config(tiny_llama, tmp_path)
             return tokens, [await _worker_stats(addr) for _, addr in workers]
 
         tokens, stats = asyncio.run(main())
+        with pytest.raises(grpc.aio.AioRpcError) as outsider:  # secure by default: worker ports need the token
+            asyncio.run(_worker_stats(workers[0][1], token=None))
+        assert outsider.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert len(tokens) == 12
         assert [st.role for st in stats] == ["prefill", "decode", "decode"]
         for st in stats:

@@ -146,8 +146,9 @@ def test_maxmemory_reached(long_model):
 
 
 def test_pinned_prompt_survives_pressure_and_is_released(long_model, redis_server):
-    # 200 blocks x 16 = 3,200 tokens of KV: the pinned 2,000-token prompt takes 125
-    llm = _llm(long_model, redis_server.url, num_blocks=201)
+    # 320 blocks x 16 = 5,120 tokens of KV: the pinned 2,000-token prompt takes 125, within the
+    # pin quota (half the cache, and room left for one max_model_len=3000 request)
+    llm = _llm(long_model, redis_server.url, num_blocks=321)
     eng = llm.engine
     system = _ids(2000, 50)
     assert eng.cache_prompt("system", system) == 2000
@@ -166,6 +167,6 @@ def test_pinned_prompt_survives_pressure_and_is_released(long_model, redis_serve
     assert eng.uncache_prompt("system") and not eng.uncache_prompt("system")
     assert eng.num_free_blocks == eng.num_usable_blocks
     assert all(0 < c.ttl(k) <= 3600 for k in keys)
-    for i in range(6):
+    for i in range(10):  # 380 blocks: more than the whole cache, so the released pin is evicted
         llm.generate(_ids(600, 300 + i), GREEDY)
     assert eng.kv_manager.pool.get_cached_block(block_hashes(system, BS, eng.fingerprint)[0]) is None

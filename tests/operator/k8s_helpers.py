@@ -21,7 +21,7 @@ def find_tool(name: str) -> str | None:
 
 
 K8S_VERSION = "1.35.0"  # the kubectl the tests install is v1.35
-BUILTIN_KINDS = {"ConfigMap", "Service", "Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+BUILTIN_KINDS = {"ConfigMap", "Service", "Deployment", "Secret", "NetworkPolicy", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
                  "Role", "RoleBinding", "CustomResourceDefinition"}
 
 

@@ -21,6 +21,8 @@ OPERATOR_RULES = {
     ("", "services"): {"get", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("apps", "deployments"): {"get", "create", "patch", "delete"},
+    ("", "secrets"): {"get", "create", "delete"},  # generated once (internal token, Redis password), never patched
+    ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
     ("", "events"): {"create"},
 }
 CUSTOM = ["--set", "watchNamespaces={team-a,team-b}", "--set", "metrics.enabled=false",

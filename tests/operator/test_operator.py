@@ -27,6 +27,8 @@ RAYSERVICES = "/apis/ray.io/v1/namespaces/ml/rayservices"
 SERVICES = "/api/v1/namespaces/ml/services"
 CONFIGMAPS = "/api/v1/namespaces/ml/configmaps"
 DEPLOYMENTS = "/apis/apps/v1/namespaces/ml/deployments"
+SECRETS = "/api/v1/namespaces/ml/secrets"
+POLICIES = "/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies"
 EVENTS = "/api/v1/namespaces/ml/events"
 
 pytestmark = pytest.mark.asyncio
@@ -67,7 +69,8 @@ def _declare(server: ApiServer) -> None:
     server.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
         kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False, verbs=verbs)
     for key, kind in [("v1/services", "Service"), ("v1/configmaps", "ConfigMap"), ("v1/events", "Event"),
-                      ("apps/v1/deployments", "Deployment")]:
+                      ("apps/v1/deployments", "Deployment"), ("v1/secrets", "Secret"),
+                      ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy")]:
         server.resources[key] = kmock.ResourceInfo(kind=kind, singular=kind.lower(), namespaced=True, verbs=verbs)
 
 
@@ -176,6 +179,12 @@ async def test_lifecycle_create_update_ready_delete(api, operator):
         return objs if all(objs) else None
 
     objs = await eventually(children)
+    secured = [await get(api, p) for p in (f"{SECRETS}/chat-internal", f"{SECRETS}/chat-redis-auth",
+                                           f"{POLICIES}/chat-workers", f"{POLICIES}/chat-redis")]
+    assert all(secured), "generated Secrets and NetworkPolicies"
+    token = secured[0]["data"]["token"]
+    assert len(token) > 40 and secured[1]["data"]["password"] != token
+    objs += secured
     for obj in objs:
         refs = obj["metadata"]["ownerReferences"]
         assert [(r["kind"], r["name"], r["uid"], r["controller"]) for r in refs] == [("LLMService", "chat", uid, True)]
@@ -197,9 +206,11 @@ async def test_lifecycle_create_update_ready_delete(api, operator):
 
     rayservice = await eventually(scaled)
     assert rayservice["metadata"]["uid"] == rs_uid
+    assert (await get(api, f"{SECRETS}/chat-internal"))["data"]["token"] == token  # generated once, never rotated
     assert len(api.objects["ray.io/v1/rayservices", NS, "chat"].history) >= 2  # patched, never deleted
     assert not api.objects["ray.io/v1/rayservices", NS, "chat"].deleted
     await eventually(lambda: _absent(api, f"{DEPLOYMENTS}/chat-redis"))
+    await eventually(lambda: _absent(api, f"{POLICIES}/chat-redis"))
 
     # KubeRay reports the service healthy -> Ready with endpoints and per-role replicas.
     await write(api, "PATCH", f"{RAYSERVICES}/chat/status", {"status": HEALTHY})

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
 from kvmesh.telemetry.metrics import REGISTRY, exposition
-from kvmesh.telemetry.workers import CacheSourceTracker
+from kvmesh.telemetry.workers import CacheSourceTracker, worker_label
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -110,14 +110,14 @@ def test_router_and_worker_metrics_count_requests(cluster):
     # One prefill pick per P/D request, one decode pick per request; every scorer observed.
     assert value("kvmesh_router_scorer_score_count", scorer="prefix", stage="prefill") - scored_before["prefill"] == 2
     assert value("kvmesh_router_scorer_score_count", scorer="prefix", stage="decode") - scored_before["decode"] == 5
-    assert value("kvmesh_router_picks_total", stage="prefill", worker=cluster.prefill.address) >= 2
+    assert value("kvmesh_router_picks_total", stage="prefill", worker=worker_label(cluster.prefill.address, "prefill")) >= 2
     assert value("kvmesh_router_scorer_score_count", scorer="kv_free", stage="decode") >= 5
 
     # Per-worker series from the Stats the routers poll, in the same exposition.
     body, content_type = exposition()
     assert content_type.startswith("text/plain")
-    dec = {"worker": cluster.decode.address, "role": "decode"}
-    pre = {"worker": cluster.prefill.address, "role": "prefill"}
+    dec = {"worker": worker_label(cluster.decode.address, "decode"), "role": "decode"}
+    pre = {"worker": worker_label(cluster.prefill.address, "prefill"), "role": "prefill"}
 
     def worker_series():
         m = scrape(exposition()[0].decode())
@@ -153,7 +153,7 @@ def test_worker_metrics_port_serves_its_own_stats(cluster):
     url = f"http://127.0.0.1:{cluster.decode_metrics_port}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     m = scrape(text)
-    key = ("kvmesh_kv_blocks_free", frozenset({"worker": cluster.decode.address, "role": "decode"}.items()))
+    key = ("kvmesh_kv_blocks_free", frozenset({"worker": worker_label(cluster.decode.address, "decode"), "role": "decode"}.items()))
     assert m[key] > 0
     assert any(name == "process_cpu_seconds_total" for name, _ in m)
 

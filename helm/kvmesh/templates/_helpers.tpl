@@ -49,6 +49,12 @@ app.kubernetes.io/component: operator
   resources: [deployments]
   verbs: [get, create, patch, delete]
 - apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch, delete]
+- apiGroups: [""]
   resources: [events]
   verbs: [create]
 {{- end -}}

@@ -20,6 +20,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.registry import StaticRegistry
 from kvmesh.router.server import RouterServer
 from kvmesh.rpc import run_until_signalled
+from kvmesh.rpc.tls import TLSFiles
 from kvmesh.serve.openai import GrpcBackend, create_app, serve_http_in_thread
 from kvmesh.telemetry.metrics import exposition
 from kvmesh.telemetry.tracing import configure_tracing
@@ -92,14 +93,32 @@ def add_router_parser(sub) -> None:
     p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans here (OTLP/gRPC; default off)")
     p.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API on this port (default: off)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None,
+                   help="PEM CA: require client certificates it signed (mutual TLS on the public endpoints)")
     p.set_defaults(func=cmd_router)
 
 
+def router_tls(args: argparse.Namespace) -> TLSFiles | None:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_cert is None:
+        if args.tls_client_ca:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    return TLSFiles(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca)
+
+
 def start_http(router: RouterServer, tokenizer, model_id: str, host: str, port: int):
-    """The OpenAI-compatible HTTP API in this process, over loopback gRPC to `router`."""
-    target = f"127.0.0.1:{router.port}" if host in ("0.0.0.0", "127.0.0.1") else router.address
-    backend = GrpcBackend(target, tokenizer, model_id)
-    return serve_http_in_thread(create_app(lambda: backend, exposition), host, port)
+    """The OpenAI-compatible HTTP API in this process, over loopback gRPC to `router`
+    (served over TLS with the router's certificate when it has one; the HTTP layer reaches
+    the router through its loopback port, see RouterServer)."""
+    backend = GrpcBackend(router.loopback_address, tokenizer, model_id)
+    tls = router.tls
+    files = {} if tls is None else {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file,
+                                    "ssl_ca_certs": tls.client_ca_file}
+    return serve_http_in_thread(create_app(lambda: backend, exposition), host, port, **files)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -118,10 +137,11 @@ def cmd_router(args: argparse.Namespace) -> int:
     if args.otlp_endpoint:
         configure_tracing(TracingConfig(otlp_endpoint=args.otlp_endpoint, service_name="kvmesh-router"))
     tokenizer = load_tokenizer(resolve_model_path(args.model, progress=False))
+    tls = router_tls(args)
 
     async def run() -> None:
         router = RouterServer(StaticRegistry(args.worker), tokenizer, config, args.model_id, args.host, args.port,
-                              metrics_port=args.metrics_port)
+                              metrics_port=args.metrics_port, tls=tls)
         http = None
 
         async def start() -> None:
@@ -129,7 +149,8 @@ def cmd_router(args: argparse.Namespace) -> int:
             await router.start(min_workers=args.min_workers or len(args.worker))
             if args.http_port is not None:
                 http = start_http(router, tokenizer, args.model_id, args.host, args.http_port)
-                print(f"KVMESH_ROUTER_HTTP url=http://{args.host}:{http.config.port}", flush=True)
+                scheme = "https" if tls is not None else "http"
+                print(f"KVMESH_ROUTER_HTTP url={scheme}://{args.host}:{http.config.port}", flush=True)
             print(f"KVMESH_ROUTER_READY address={router.address}", flush=True)
 
         async def stop() -> None:

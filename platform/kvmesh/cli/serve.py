@@ -4,10 +4,13 @@ on Ray Serve, or with --local as plain processes on this machine."""
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import signal
 import time
 
 from kvmesh.cli.args import add_engine_args, engine_overrides
+from kvmesh.rpc.internal_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from kvmesh.serve.config import ServingConfig
 from kvmesh.serve.local import serve_local
 
@@ -34,6 +37,12 @@ def add_parser(sub) -> None:
                    help="prompts with fewer uncached tokens skip prefill/decode disaggregation (default 256)")
     s.add_argument("--transfer-ttl", type=float, default=None, help="seconds prefilled KV waits for its decode")
     s.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry traces (OTLP/gRPC); default off")
+    s.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")
+    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", default=None, help="PEM CA: require client certificates it signed")
+    s.add_argument("--internal-token-file", default=None,
+                   help="file with the token every worker RPC must carry (default: KVMESH_INTERNAL_TOKEN; "
+                        "--local makes one up per run)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -68,12 +77,26 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         data["router"]["config"]["pd_threshold_tokens"] = args.pd_threshold_tokens
     if args.otlp_endpoint:
         data["tracing"]["otlp_endpoint"] = args.otlp_endpoint
+    for flag, key in (("tls_cert", "tls_cert_file"), ("tls_key", "tls_key_file"),
+                      ("tls_client_ca", "tls_client_ca_file"), ("internal_token_file", "internal_token_file")):
+        if getattr(args, flag, None):
+            data["security"][key] = getattr(args, flag)
     return ServingConfig.model_validate(data)
+
+
+def local_internal_token(cfg: ServingConfig) -> None:
+    """--local: the worker processes inherit the internal token from this environment; with
+    none configured, one made up for this run (worker ports then refuse every outsider)."""
+    if cfg.security.internal_token_file and not os.environ.get(TOKEN_ENV):
+        os.environ[TOKEN_FILE_ENV] = cfg.security.internal_token_file
+    elif not os.environ.get(TOKEN_ENV) and not os.environ.get(TOKEN_FILE_ENV):
+        os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serving_config_from_args(args)
     if args.local:
+        local_internal_token(cfg)
         return serve_local(cfg, http=args.http_port is not None)
     # Ray is the one heavy optional import of the CLI: `generate`, `worker` and `--local` never load it.
     from kvmesh.serve import app as ray_app

@@ -6,20 +6,26 @@ from callers are queued and applied by the loop between steps, so the engine is
 only ever touched by one thread at a time. `generate()` is an async iterator of
 RequestOutput; leaving it early (break, cancellation, client disconnect) aborts the
 request and frees its KV blocks.
+
+Failures are per request: a step that raises fails the requests of that step (their
+consumers get StepFailedError, the blocks are freed) and the loop goes on. `health()`
+tells the truth for health checks: the loop is dead, or a step has run longer than
+`scheduler.step_timeout_s` (a wedged kernel), or all is well.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.engine import LLMEngine, pin_request_id
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.errors import EngineDeadError, InvalidRequestError
+from kvmesh.errors import EngineDeadError, InvalidRequestError, StepFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +41,9 @@ class AsyncLLMEngine:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
+        # When the running step (or between-steps call) started; None while idle.
+        self._busy_since: float | None = None
+        self.step_timeout_s = engine.config.scheduler.step_timeout_s
 
     @property
     def tokenizer(self):
@@ -93,6 +102,58 @@ class AsyncLLMEngine:
                 if self._wakeup is not None:
                     self._wakeup.set()
 
+    def health(self) -> tuple[bool, str]:
+        """(healthy, why not): False when the step loop died or a step (or a call run
+        between steps) has been running longer than the step watchdog allows."""
+        if self._dead is not None:
+            return False, f"engine step loop died: {self._dead!r}"
+        if self._loop_task is not None and self._loop_task.done():
+            return False, "engine step loop exited"
+        since = self._busy_since
+        if since is not None and time.monotonic() - since > self.step_timeout_s:
+            return False, (f"engine step running for {time.monotonic() - since:.0f}s, over the "
+                           f"{self.step_timeout_s:g}s watchdog (scheduler.step_timeout_s)")
+        return True, ""
+
+    async def cache_prompt(self, name: str, prompt: str | list[int], ttl_s: float | None = None) -> int:
+        """LLMEngine.cache_prompt without blocking the event loop: the pin runs as a normal
+        request. A pin over the quota raises ResourceExhaustedError at once."""
+        rid = pin_request_id(name)
+        if rid in self._queues:
+            raise InvalidRequestError("name", f"prompt {name!r} is being cached already; wait for that call")
+        # The queue exists before begin_pin queues the request: its outputs can come at
+        # the very next step.
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        try:
+            await self.run_between_steps(lambda: self.engine.begin_pin(name, prompt))
+        except BaseException:
+            self._queues.pop(rid, None)
+            raise
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    break
+            if item.outputs[0].finish_reason == "abort":
+                raise EngineDeadError(f"prompt cache entry {name!r} was aborted while computing")
+            return await self.run_between_steps(lambda: self.engine.finish_pin(name, item, ttl_s))
+        except BaseException:
+            self._call_soon(lambda: self.engine.cancel_pin(name))
+            raise
+        finally:
+            self._queues.pop(rid, None)
+
+    def _call_soon(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` between steps without waiting for it (cleanup from a cancelled task)."""
+        fut = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it
+        self._pending_calls.append((fn, fut))
+        if self._wakeup is not None:
+            self._wakeup.set()
+
     async def abort(self, request_id: str) -> None:
         self._pending_aborts.add(request_id)
         if self._wakeup is not None:
@@ -117,10 +178,13 @@ class AsyncLLMEngine:
         for fn, fut in calls:
             if fut.done():  # the caller was cancelled
                 continue
+            self._busy_since = time.monotonic()
             try:
                 fut.set_result(fn())
             except Exception as exc:
                 fut.set_exception(exc)
+            finally:
+                self._busy_since = None
         adds, self._pending_adds = self._pending_adds, []
         for rid, ids, params, text, hold_kv in adds:
             if rid in self._pending_aborts:
@@ -145,7 +209,17 @@ class AsyncLLMEngine:
                     if not self._pending_adds and not self._pending_aborts and not self._pending_calls:
                         await self._wakeup.wait()
                     continue
-                outputs = await loop.run_in_executor(None, self.engine.step)
+                self._busy_since = time.monotonic()
+                try:
+                    outputs = await loop.run_in_executor(None, self.engine.step)
+                except StepFailedError as exc:  # those requests only; the engine serves on
+                    for rid in exc.request_ids:
+                        q = self._queues.get(rid)
+                        if q is not None:
+                            q.put_nowait(exc)
+                    continue
+                finally:
+                    self._busy_since = None
                 for out in outputs:
                     q = self._queues.get(out.request_id)
                     if q is not None:

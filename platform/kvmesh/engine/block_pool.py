@@ -6,12 +6,15 @@ Invariants:
 - A free block may still hold a cached hash: it is reusable by a prefix hit
   (`touch` takes it back out of the queue) until `get_new_blocks` evicts it, oldest
   freed first.
+- `on_event`, when set, hears every change to the set of cached hashes, in order:
+  (hash, True) when a block is registered, (hash, False) when it is evicted (the KV
+  event stream the router's exact prefix index is built from; engine.kv_events).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvmesh.engine.hashing import BlockHash
 
@@ -43,6 +46,7 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks[1:]
         )
         self._cached: dict[BlockHash, KVBlock] = {}
+        self.on_event: Callable[[BlockHash, bool], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,11 +117,15 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if self.on_event is not None:
+            self.on_event(block_hash, True)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.on_event is not None:
+                    self.on_event(block.block_hash, False)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -126,5 +134,8 @@ class BlockPool:
             return False
         for block in self.blocks[1:]:
             block.block_hash = None
+        if self.on_event is not None:
+            for h in self._cached:
+                self.on_event(h, False)
         self._cached.clear()
         return True

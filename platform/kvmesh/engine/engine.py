@@ -17,17 +17,25 @@ from kvmesh.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.interfaces import KVConnector, KVLoader, ModelExecutor, ModelInfo
 from kvmesh.engine.kv_cache_manager import KVCacheManager
-from kvmesh.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from kvmesh.engine.outputs import CompletionOutput, RequestOutput, SchedulerOutput, TokenLogprobs
+from kvmesh.engine.prompt_cache import PinnedPrompts
 from kvmesh.engine.request import Request, RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, StepResult
-from kvmesh.errors import InvalidRequestError
+from kvmesh.errors import InvalidRequestError, ResourceExhaustedError, StepFailedError
 
 logger = logging.getLogger(__name__)
 
 # Adaptive speculation: below this recent acceptance a request only probes.
 SPEC_MIN_ACCEPTANCE = 0.3
 SPEC_PROBE_EVERY = 8
+# What a pinned prompt runs as: one greedy token, KV held afterwards.
+_PIN_PARAMS = SamplingParams(max_tokens=1, temperature=0)
+
+
+def pin_request_id(name: str) -> str:
+    """The request id a pinned prompt is computed (and its blocks held) under."""
+    return f"__prompt_cache__:{name}"
 
 
 @dataclass
@@ -77,8 +85,8 @@ class LLMEngine:
         self._states: dict[str, _OutputState] = {}
         # Outputs of other requests produced while cache_prompt drove the engine.
         self._buffered: list[RequestOutput] = []
-        # name -> (hold id, store keys of its full blocks, expiry or None)
-        self._pinned: dict[str, tuple[str, list[bytes], float | None]] = {}
+        self._pins = PinnedPrompts(self.kv_manager.num_usable_blocks, cc.block_size, model.max_model_len,
+                                   cc.max_pinned_fraction)
         self.spec_counters = {"proposed": 0, "accepted": 0, "verify_steps": 0}
 
     def _propose(self) -> None:
@@ -195,8 +203,30 @@ class LLMEngine:
         return self._step_once()
 
     def _step_once(self) -> list[RequestOutput]:
+        """One step. An exception anywhere in it fails only the requests it concerns
+        (StepFailedError names them; their blocks are freed) and leaves the engine
+        consistent for the next step: one poisoned request cannot stop the others."""
         self._expire_pins()
-        sched = self.scheduler.schedule()
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as exc:  # what was admitted is unknown: fail every request
+            self._fail(list(self.scheduler.requests), exc)
+        try:
+            return self._run_scheduled(sched)
+        except Exception as exc:
+            self._fail([seq.request_id for seq in sched.seqs], exc)
+
+    def _fail(self, request_ids: list[str], exc: Exception) -> None:
+        """Abort `request_ids` after a failed step (blocks freed, held KV released) and
+        raise StepFailedError for them."""
+        logger.exception("engine step failed; failing its %d request(s): %s", len(request_ids), request_ids,
+                         exc_info=exc)
+        self.abort(request_ids)
+        for rid in request_ids:
+            self.kv_manager.release(rid)  # finished (hold_kv) within the failed step
+        raise StepFailedError(request_ids, exc) from exc
+
+    def _run_scheduled(self, sched: SchedulerOutput) -> list[RequestOutput]:
         runner_out = self.executor.execute(sched)
         results = self.scheduler.update_from_output(sched, runner_out)
         for seq in sched.seqs:
@@ -265,47 +295,84 @@ class LLMEngine:
         evicted; every request starting with this prompt hits them) and its full blocks
         are written to the KV store without TTL. Returns the number of pinned tokens.
 
-        Drives the engine until the prompt is computed; other requests progress too and
-        their outputs are returned by the next `step()` calls.
+        A pin over the quota (see engine/prompt_cache.py) raises ResourceExhaustedError at
+        once. Drives the engine until the prompt is computed; other requests progress too
+        and their outputs are returned by the next `step()` calls. Servers use
+        AsyncLLMEngine.cache_prompt instead, which never blocks their event loop.
         """
+        rid, ids = self.begin_pin(name, prompt)
+        final = None
+        try:
+            while final is None:
+                for out in self._step_once():
+                    if out.request_id == rid:
+                        final = out if out.finished else None
+                    else:
+                        self._buffered.append(out)
+                req = self.scheduler.requests.get(rid)
+                if final is None and req is not None and not self.scheduler.running:
+                    # Nothing runs and the pin was not admitted: its blocks are held elsewhere
+                    # (transfers); refuse rather than spin.
+                    self.abort(rid)
+                    raise ResourceExhaustedError("prompt_cache", "no free KV blocks to compute the prompt now "
+                                                                 "(held by KV transfers); retry later")
+        except BaseException:
+            self.cancel_pin(name)
+            raise
+        return self.finish_pin(name, final, ttl_s)
+
+    def begin_pin(self, name: str, prompt: str | list[int]) -> tuple[str, list[int]]:
+        """Validate a pin, release an older pin of the same name, and reserve its blocks
+        under the quota (ResourceExhaustedError when it does not fit). The caller then
+        runs request `rid` on `ids` with `_PIN_PARAMS` and hold_kv, and ends with
+        `finish_pin` (or `cancel_pin` on failure). Returns (rid, ids)."""
         if not name:
             raise InvalidRequestError("name", "prompt cache entries need a non-empty name")
+        if isinstance(prompt, str) and not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt_ids(ids)
         self.uncache_prompt(name)
-        rid = f"__prompt_cache__:{name}"
-        self.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
-        final = None
-        while final is None:
-            for out in self._step_once():
-                if out.request_id == rid:
-                    final = out if out.finished else None
-                else:
-                    self._buffered.append(out)
+        self._pins.reserve(name, len(ids))
+        rid = pin_request_id(name)
+        try:
+            self.add_request(rid, ids, _PIN_PARAMS, hold_kv=True)
+        except BaseException:
+            self._pins.unreserve(name)
+            raise
+        return rid, ids
+
+    def finish_pin(self, name: str, final: RequestOutput, ttl_s: float | None) -> int:
+        """Commit a computed pin (the finished output of begin_pin's request)."""
         ids = final.prompt_token_ids
         keys = [] if self.kv_connector is None else self.kv_connector.pin_prompt(ids, final.held_block_ids)
-        expires = None if ttl_s is None else time.monotonic() + ttl_s
-        self._pinned[name] = (rid, keys, expires)
+        self._pins.commit(name, final.request_id, keys, ttl_s)
         return len(ids) // self.kv_manager.block_size * self.kv_manager.block_size
+
+    def cancel_pin(self, name: str) -> None:
+        """Undo begin_pin: drop the reservation and any blocks the pin request holds."""
+        rid = pin_request_id(name)
+        self.abort(rid)
+        self.kv_manager.release(rid)
+        self._pins.unreserve(name)
 
     def uncache_prompt(self, name: str) -> bool:
         """Release a pinned prompt: local blocks become evictable, store keys get a TTL."""
-        entry = self._pinned.pop(name, None)
-        if entry is None:
+        pin = self._pins.pop(name)
+        if pin is None:
             return False
-        rid, keys, _ = entry
-        self.kv_manager.release(rid)
-        if self.kv_connector is not None and keys:
-            self.kv_connector.unpin(keys)
+        self.kv_manager.release(pin.hold_id)
+        if self.kv_connector is not None and pin.keys:
+            self.kv_connector.unpin(pin.keys)
         return True
 
     def _expire_pins(self) -> None:
-        now = time.monotonic()
-        for name, (_, _, expires) in list(self._pinned.items()):
-            if expires is not None and now >= expires:
-                self.uncache_prompt(name)
+        for name in self._pins.expired(time.monotonic()):
+            self.uncache_prompt(name)
 
     @property
     def pinned_prompts(self) -> list[str]:
-        return list(self._pinned)
+        return list(self._pins.pins)
 
     # -- introspection ----------------------------------------------------
 
@@ -342,7 +409,8 @@ class LLMEngine:
             "prefix_query_tokens": kv.query_tokens,
             "prefix_hit_tokens": kv.hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
-            "num_pinned_prompts": len(self._pinned),
+            "num_pinned_prompts": len(self._pins.pins),
+            "num_pinned_blocks": self._pins.num_blocks,
             **self._spec_stats(),
             **(self.kv_connector.stats() if self.kv_connector is not None else {}),
         }

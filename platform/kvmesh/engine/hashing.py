@@ -7,6 +7,12 @@ size, RoPE, quantization: whatever the fingerprint covers) matches. The function
 only hashlib and fixed little-endian encoding, so the same tokens and fingerprint give
 the same hash in every process on every machine (unlike Python's `hash()`); the local
 prefix cache, a shared KV store and the router can all use it.
+
+A non-empty `cache_salt` (vLLM's name; a request field, or derived from the API key by
+the router) is mixed into the root: requests with different salts never share a block
+hash, so prefix-cache hits, shared-store blocks and `cached_tokens` never cross
+tenants, while requests with the same salt still share. The empty salt keeps the
+unsalted root (blocks written before salts existed stay valid).
 """
 
 from __future__ import annotations
@@ -18,11 +24,18 @@ from collections.abc import Sequence
 BlockHash = bytes  # 32 bytes (sha256 digest)
 
 _ROOT_TAG = b"kvmesh-kv-v1"
+_SALT_TAG = b"\0cache-salt\0"
+MAX_CACHE_SALT_CHARS = 256
 
 
-def root_hash(model_fingerprint: str) -> BlockHash:
-    """The parent hash of a sequence's first block."""
-    return hashlib.sha256(_ROOT_TAG + model_fingerprint.encode()).digest()
+def root_hash(model_fingerprint: str, cache_salt: str = "") -> BlockHash:
+    """The parent hash of a sequence's first block (per salt, see the module docstring)."""
+    root = _ROOT_TAG + model_fingerprint.encode()
+    if cache_salt:
+        # Length-prefixed: no (fingerprint, salt) pair can collide with another's bytes.
+        salt = cache_salt.encode()
+        root += _SALT_TAG + struct.pack("<I", len(salt)) + salt
+    return hashlib.sha256(root).digest()
 
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -36,14 +49,15 @@ def block_hashes(
     block_size: int,
     model_fingerprint: str,
     start: Sequence[BlockHash] = (),
+    cache_salt: str = "",
 ) -> list[BlockHash]:
     """Chained hashes of every *full* block of `token_ids`.
 
     `start` holds already computed hashes of the leading blocks (a request's growing
-    list); only the remaining full blocks are hashed.
+    list, computed with the same salt); only the remaining full blocks are hashed.
     """
     out = list(start)
-    parent = out[-1] if out else root_hash(model_fingerprint)
+    parent = out[-1] if out else root_hash(model_fingerprint, cache_salt)
     for i in range(len(out), len(token_ids) // block_size):
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
         out.append(parent)

@@ -51,8 +51,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
-        # Chained hashes of the full blocks of all_token_ids (grown lazily).
+        # Chained hashes of the full blocks of all_token_ids (grown lazily), rooted at the
+        # request's cache salt: prefix hits never cross salts (tenants).
         self.block_hashes: list[bytes] = []
+        self.cache_salt = sampling_params.cache_salt
         # Tokens served from the prefix cache when first scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

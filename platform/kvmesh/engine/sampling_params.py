@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from kvmesh.engine.hashing import MAX_CACHE_SALT_CHARS
 from kvmesh.errors import InvalidRequestError
 
 # How many top logprobs a request may ask for per generated token.
 MAX_LOGPROBS = 20
+# Integer fields travel as protobuf int32 (seed as int64): anything outside cannot be sent
+# on to a worker, so it is refused here rather than failing in serialization.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    """A finite int or float (NaN / Infinity would silently change what is sampled)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -36,6 +51,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Let the engine speculate for this request (when speculative decoding is on).
     speculative: bool = True
+    # Prefix-cache isolation (vLLM's `cache_salt`): KV is reused only between requests with
+    # the same salt (engine/hashing.py). Carried here so it travels with the request.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,23 +66,32 @@ class SamplingParams:
         def bad(name: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(name, msg)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "speculative"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be true or false, got {getattr(self, name)!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise bad("max_tokens", f"must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not _is_real(getattr(self, name)):
+                raise bad(name, f"must be a finite number, got {getattr(self, name)!r}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
             raise bad("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+        if any(not _valid_unicode(s) for s in self.stop):
+            raise bad("stop", "stop strings must be valid Unicode (no lone surrogates)")
+        if any(not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be integers in [0, {INT32_MAX}]")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty}")
@@ -72,6 +99,8 @@ class SamplingParams:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise bad("cache_salt", f"must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
 
     @property
     def greedy(self) -> bool:
@@ -90,3 +119,12 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _valid_unicode(text: str) -> bool:
+    """False for strings holding lone UTF-16 surrogates (JSON lets "\\ud800" through)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -5,11 +5,17 @@ Redis should run with `maxmemory` and `maxmemory-policy allkeys-lru`: blocks the
 behave as a shared LRU cache; pinned blocks (prompt cache) carry no TTL but can still
 be evicted under memory pressure by Redis itself, so the local pin is what guarantees
 them on a worker.
+
+Authentication and encryption: `redis://:password@host:port/db` (or `user:password@`),
+`rediss://` for TLS (`?ssl_ca_certs=/path/ca.pem` and the other redis-py URL options);
+a URL without a password takes `KVMESH_REDIS_PASSWORD` from the environment (the operator
+sets it from the managed Redis's Secret, so the password never sits in a config file).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -18,6 +24,14 @@ from urllib.parse import parse_qs, urlparse
 from kvmesh.kvstore.base import register_backend
 
 logger = logging.getLogger(__name__)
+
+PASSWORD_ENV = "KVMESH_REDIS_PASSWORD"
+
+
+def password_kwargs(url: str) -> dict[str, str]:
+    """`{"password": ...}` from KVMESH_REDIS_PASSWORD when `url` carries no password of its own."""
+    env = os.environ.get(PASSWORD_ENV)
+    return {"password": env} if env and urlparse(url).password is None else {}
 
 
 class CircuitBreaker:
@@ -59,7 +73,7 @@ class RedisKVStore:
 
         self._redis = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
-            health_check_interval=0,
+            health_check_interval=0, **password_kwargs(url),
         )
         self.breaker = breaker or CircuitBreaker()
         self.errors = 0
@@ -138,6 +152,7 @@ class RedisKVStore:
 
 
 @register_backend("redis")
+@register_backend("rediss")
 def _from_url(url: str) -> RedisKVStore:
     parsed = urlparse(url)
     q = parse_qs(parsed.query)

@@ -6,8 +6,8 @@ runner passes each token's slot (`slot_mapping`) and each sequence's block table
 
 Backends implement `AttentionBackend`: `build_metadata` once per step (shared by every
 layer), `forward` once per layer. `TorchAttentionBackend` is the reference that runs on
-any device with plain PyTorch ops (SDPA); a fused CUDA / Triton backend slots in behind
-the same interface.
+any device with plain PyTorch ops (SDPA); `triton` (triton_attention.py) is the CUDA
+backend behind the same interface, with its own metadata type.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.layers import cpu_kernels
+from kvmesh.layers.triton_attention import TritonAttentionBackend
+from kvmesh.layers.triton_runtime import can_run as triton_can_run
 
 
 @dataclass
@@ -173,6 +175,9 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
 
 
 BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuPagedAttentionBackend}
+# Needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests): kept out of
+# BACKENDS, whose every entry runs on any CPU machine.
+GPU_BACKENDS = {"triton": TritonAttentionBackend}
 
 
 def get_attention_backend(name: str, block_size: int, device: torch.device) -> AttentionBackend:
@@ -182,8 +187,13 @@ def get_attention_backend(name: str, block_size: int, device: torch.device) -> A
         if device.type == "cpu":
             if cpu_kernels.load():
                 name = "cpu"
+        elif device.type == "cuda" and triton_can_run(device):
+            name = "triton"
+    if name in GPU_BACKENDS:
+        return GPU_BACKENDS[name](block_size, device)  # raises, saying why, where it cannot run
     if name not in BACKENDS:
-        raise ValueError(f"attention backend {name!r} unknown; choose from {sorted(BACKENDS)} or auto")
+        raise ValueError(f"attention backend {name!r} unknown; choose from "
+                         f"{sorted([*BACKENDS, *GPU_BACKENDS])} or auto")
     if name == "cpu":
         if not cpu_kernels.load():
             raise ValueError("attention backend 'cpu' needs the C++ kernels, which failed to build")

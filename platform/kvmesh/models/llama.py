@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.layers import triton_ops
 from kvmesh.layers.attention import AttentionBackend, AttentionMetadata
 from kvmesh.layers.cpu_kernels import fused
 from kvmesh.layers.ops import Linear
@@ -53,6 +54,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and triton_ops.enabled(x):
+            return triton_ops.rms_norm(x, self.weight, self.eps)
         if fused(x) and x.dim() == 2:
             return torch.ops.kvmesh.rms_norm(x, self.weight, self.eps)
         # Normalize in float32 like the reference; the weight multiplies in model dtype.
@@ -60,7 +63,9 @@ class RMSNorm(nn.Module):
         return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
 
     def add_forward(self, residual: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + update, norm(residual + update)): one op on CPU."""
+        """(residual + update, norm(residual + update)): one op (C++ on CPU, Triton on CUDA)."""
+        if residual.dim() == 2 and triton_ops.enabled(residual):
+            return triton_ops.add_rms_norm(residual, update, self.weight, self.eps)
         if fused(residual) and residual.dim() == 2:
             return torch.ops.kvmesh.add_rms_norm(residual, update, self.weight, self.eps)
         h = residual + update
@@ -80,7 +85,9 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if fused(qkv):
+        if triton_ops.enabled(qkv):
+            q, k, v = triton_ops.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        elif fused(qkv):
             q, k, v = torch.ops.kvmesh.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -101,6 +108,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if triton_ops.enabled(gate_up):
+            return self.down_proj(triton_ops.silu_and_mul(gate_up))
         if fused(gate_up):
             return self.down_proj(torch.ops.kvmesh.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

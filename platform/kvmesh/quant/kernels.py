@@ -1,10 +1,12 @@
 """Quantized matmuls: y = x @ dequant(W)^T, with the path chosen per device and batch size.
 
-Two paths, same numbers up to float summation order:
+Three paths, same numbers up to float summation order:
 
 - `native`: kvmesh's AVX2 kernel (csrc/cpu_gemm.c) for skinny inputs on CPU (decode:
   M <= NATIVE_MAX_ROWS). It reads each weight byte once and keeps activations in
   float32: this is where the speed of quantized decode comes from.
+- `triton`: on CUDA, Triton kernels (triton_gemm.py) for inputs up to
+  triton_gemm.MAX_ROWS rows: the weight is dequantized in registers, each byte read once.
 - `dequant`: dequantize the weight to the activation dtype, then `ops.linear`. Always
   correct, runs on every device; used for tall inputs (prefill, where the matmul is
   compute-bound and the dequantize is amortized over many rows), on CUDA, where the
@@ -23,11 +25,15 @@ from __future__ import annotations
 import torch
 
 from kvmesh.layers.ops import linear
-from kvmesh.quant import native
+from kvmesh.quant import native, triton_gemm
 from kvmesh.quant.primitives import dequantize_int4, dequantize_int8, unpack_int4
 
 # Rows up to which the native kernel beats dequantize + matmul (measured, see README).
 NATIVE_MAX_ROWS = 32
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.shape[0] <= triton_gemm.MAX_ROWS and triton_gemm.can_run(x)
 
 
 def use_native(x: torch.Tensor) -> bool:
@@ -40,6 +46,8 @@ def _as_f32(x: torch.Tensor) -> torch.Tensor:
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (M, K) float, qweight (N, K) int8, scales float32 (N,) or (N, K / G) -> (M, N) in x.dtype."""
+    if use_triton(x):
+        return triton_gemm.int8_matmul(x, qweight, scales)
     m, k = x.shape
     g = k if scales.dim() == 1 else k // scales.shape[1]
     if k % 16 == 0 and g % 16 == 0 and use_native(x):
@@ -57,6 +65,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, of
 
     `offsets` are zero points, or GGUF Q4_1 minima when `mins` (see primitives.py).
     """
+    if use_triton(x):
+        return triton_gemm.int4_matmul(x, qweight, scales, offsets, mins)
     m, k = x.shape
     g = k // scales.shape[1]
     if g % 32 == 0 and use_native(x):

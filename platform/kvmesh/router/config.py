@@ -7,6 +7,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvmesh.router.plugins import PLUGINS
+from kvmesh.router.ratelimit import RateLimitConfig
 
 
 class _Base(BaseModel):
@@ -14,7 +15,7 @@ class _Base(BaseModel):
 
 
 class ScorerWeight(_Base):
-    name: str = Field(description="Registered scorer name: prefix, queue, kv_free.")
+    name: str = Field(description="Registered scorer name: prefix, precise_prefix, queue, kv_free.")
     weight: float = Field(1.0, ge=0, description="Weight of this scorer's [0, 1] score in the sum.")
 
 
@@ -43,8 +44,19 @@ class RouterConfig(_Base):
     affinity_capacity: int = Field(
         65536, ge=0, description="Block hashes remembered per worker from the router's own routing decisions."
     )
+    kv_events: bool = Field(
+        True, description="Ask workers for KV events (stored / evicted block hashes) on each Stats poll, for the "
+        "exact per-worker index the precise_prefix scorer reads.",
+    )
     max_attempts: int = Field(3, ge=1, description="Workers tried per request phase before UNAVAILABLE.")
+    max_prompt_chars: int = Field(
+        1_000_000, ge=1,
+        description="Longest text prompt accepted, in characters, checked before tokenizing (which runs off the "
+        "event loop); longer ones get INVALID_ARGUMENT. The token limit (max_model_len) is checked after.",
+    )
     unhealthy_cooldown_s: float = Field(2.0, ge=0, description="A failed worker is skipped this long.")
+    rate_limit: RateLimitConfig = Field(default_factory=RateLimitConfig,
+                                        description="Per-API-key requests / tokens per minute (token buckets).")
 
     @model_validator(mode="after")
     def _check_plugins(self) -> "RouterConfig":

@@ -105,6 +105,16 @@ class PrefixScorer:
         return [w.prefix_blocks(req.block_hashes) / n if n else 0.0 for w in workers]
 
 
+@register("scorer", "precise_prefix")
+class PrecisePrefixScorer:
+    """Fraction of the prompt's full blocks the worker holds, from its KV events (the
+    exact index, router.kv_index): no guessing from past routing, no stale evictions."""
+
+    def score(self, req, workers):
+        n = len(req.block_hashes)
+        return [w.kv_index.prefix_blocks(req.block_hashes) / n if n else 0.0 for w in workers]
+
+
 @register("scorer", "queue")
 class QueueScorer:
     """Shorter queue scores higher: min-max normalized over the candidates."""

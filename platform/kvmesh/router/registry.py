@@ -17,7 +17,8 @@ from typing import Protocol
 import grpc
 
 from kvmesh._proto import worker_pb2, worker_pb2_grpc
-from kvmesh.rpc import CHANNEL_OPTIONS
+from kvmesh.router.kv_index import KVIndex
+from kvmesh.rpc.internal_auth import InternalAuth
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ class InProcessRegistry:
 class WorkerHandle:
     """One worker as the router sees it."""
 
-    def __init__(self, address: str, affinity_capacity: int):
+    def __init__(self, address: str, affinity_capacity: int, auth: InternalAuth | None = None):
         self.address = address
+        self._auth = auth or InternalAuth()  # internal token / mTLS of calls to this worker
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self.stats: worker_pb2.StatsResponse | None = None
@@ -68,12 +70,14 @@ class WorkerHandle:
         self._routed: OrderedDict[bytes, None] = OrderedDict()
         self._capacity = affinity_capacity
         self._reported: frozenset[bytes] = frozenset()
+        # Exact: what the worker's KV events say it holds (filled when the pool asks for events).
+        self.kv_index = KVIndex()
 
     @property
     def stub(self) -> worker_pb2_grpc.WorkerStub:
         # Created on first use: an aio channel belongs to the running event loop.
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = self._auth.channel(self.address)
             self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         return self._stub
 
@@ -118,14 +122,18 @@ class WorkerHandle:
     def update(self, stats: worker_pb2.StatsResponse) -> None:
         self.stats = stats
         self._reported = frozenset(stats.cached_block_hashes)
+        self.kv_index.apply_stats(stats)
 
 
 class WorkerPool:
     """Handles for the registry's workers, refreshed by polling Stats."""
 
     def __init__(self, registry: WorkerRegistry, affinity_capacity: int, max_block_hashes: int,
-                 stats_timeout_s: float, unhealthy_cooldown_s: float):
+                 stats_timeout_s: float, unhealthy_cooldown_s: float, kv_events: bool = False,
+                 auth: InternalAuth | None = None):
         self.registry = registry
+        self.auth = auth or InternalAuth()  # credentials of every call to a worker
+        self.kv_events = kv_events  # ask workers for KV events (WorkerHandle.kv_index)
         self.workers: dict[str, WorkerHandle] = {}
         self.affinity_capacity = affinity_capacity
         self.max_block_hashes = max_block_hashes
@@ -153,12 +161,13 @@ class WorkerPool:
                     await w.close()
         for addr in addresses:
             if addr not in self.workers:
-                self.workers[addr] = WorkerHandle(addr, self.affinity_capacity)
+                self.workers[addr] = WorkerHandle(addr, self.affinity_capacity, self.auth)
         await asyncio.gather(*(self._poll(w) for w in self.workers.values()))
 
     async def _poll(self, w: WorkerHandle) -> None:
         try:
-            stats = await w.stub.Stats(worker_pb2.StatsRequest(max_block_hashes=self.max_block_hashes),
+            cursor = w.kv_index.cursor() if self.kv_events else {}
+            stats = await w.stub.Stats(worker_pb2.StatsRequest(max_block_hashes=self.max_block_hashes, **cursor),
                                        timeout=self.stats_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.stats is not None:

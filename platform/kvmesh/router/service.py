@@ -4,11 +4,13 @@ P/D path: Prefill on a prefill worker (first token, KV held under a transfer id)
 the first token goes to the client at once -> Decode on a decode worker, which pulls
 the KV and streams the rest. Direct path: Generate on one decode / unified worker.
 
-Failures: a phase whose worker is unreachable (UNAVAILABLE) is retried on another
-worker, and a broken token stream *resumes* elsewhere: the new worker gets the
+Failures: a phase whose worker is unreachable or fails (UNAVAILABLE, INTERNAL) is
+retried on another worker, and a broken token stream *resumes* elsewhere: the new worker gets the
 prompt plus every token already sent, so greedy output is unchanged. Client cancel
 and deadlines propagate: worker calls carry the remaining deadline and are cancelled
-with the client's call (the workers then abort and free the blocks).
+with the client's call (the workers then abort and free the blocks). A request that
+made POISON_STRIKES workers fail (died under it, or INTERNAL) is quarantined: it is not
+retried again, so one poisoned request cannot walk through the whole fleet.
 
 The router detokenizes the combined token stream itself, so text and stop strings
 are right across the prefill/decode (or retry) boundary.
@@ -33,15 +35,28 @@ from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.plugins import RouteRequest, WorkerScheduler
+from kvmesh.router.ratelimit import RateLimitConfig, RateLimiter
 from kvmesh.router.registry import WorkerHandle, WorkerPool
-from kvmesh.rpc import StatusError, abort_with, params_from_proto, params_to_proto, prompt_cache_id, prompt_from_request
+from kvmesh.rpc import (
+    StatusError,
+    abort_with,
+    check_token_ids,
+    params_from_proto,
+    params_to_proto,
+    prompt_cache_id,
+    prompt_from_request,
+)
+from kvmesh.rpc.auth import ApiKeys, metadata_value, tenant_salt
+from kvmesh.rpc.retry_info import retry_after_metadata
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.router import RequestTelemetry, ScoreRecorder, retried
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLM"].full_name
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# Worker faults: retried on another worker (a refused connection is no strike).
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+POISON_STRIKES = 2
 
 
 @dataclass
@@ -73,8 +88,9 @@ class _Stream:
     strings, and the tokens sent so far (what a retry resumes from)."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer,
-                 telemetry: RequestTelemetry):
+                 telemetry: RequestTelemetry, cache_salt: str = ""):
         self.request_id = request_id
+        self.cache_salt = cache_salt  # effective (tenant-scoped) salt, sent to every worker call
         self.telemetry = telemetry
         self.prompt_ids = prompt_ids
         self.params = params
@@ -83,6 +99,7 @@ class _Stream:
         self.cached_prompt_tokens: int | None = None
         self.original_prompt_tokens = 0  # before compression; 0: not compressed
         self.finished = False
+        self.worker_failures = 0  # workers that failed while serving this request
 
     def emit(self, msg: llm_pb2.GenerateResponse) -> llm_pb2.GenerateResponse:
         if self.cached_prompt_tokens is None and msg.HasField("usage"):
@@ -110,12 +127,15 @@ class _Stream:
         proto = params_to_proto(self.params)
         proto.max_tokens = self.params.max_tokens - len(self.tokens)
         return llm_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids + self.tokens,
-                                       params=proto)
+                                       params=proto, cache_salt=self.cache_salt)
 
 
 class LLMServicer(llm_pb2_grpc.LLMServicer):
-    def __init__(self, pool: WorkerPool, config: RouterConfig, tokenizer, model_id: str):
+    def __init__(self, pool: WorkerPool, config: RouterConfig, tokenizer, model_id: str,
+                 keys: ApiKeys | None = None, limiter: RateLimiter | None = None):
         self.pool = pool
+        self.keys = keys or ApiKeys()  # tenants: cache salt and rate-limit bucket per API key
+        self.limiter = limiter or RateLimiter(RateLimitConfig())
         self.config = config
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -126,22 +146,30 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
 
     # -- request preparation --------------------------------------------------
 
-    def _prompt_ids(self, request: llm_pb2.GenerateRequest) -> list[int]:
+    async def _encode(self, text: str, field: str = "prompt") -> list[int]:
+        """Tokenize off the event loop (a huge prompt must not stall every other stream),
+        after the size limit."""
+        if len(text) > self.config.max_prompt_chars:
+            raise InvalidRequestError(field, f"has {len(text)} characters, over the router's limit of "
+                                             f"{self.config.max_prompt_chars} (max_prompt_chars); shorten it")
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=True)
+
+    async def _prompt_ids(self, request: llm_pb2.GenerateRequest) -> list[int]:
         if request.model and request.model != self.model_id:
             raise InvalidRequestError("model", f"{request.model!r} is not served here; ListModels shows "
                                                f"{self.model_id!r}")
         prompt = prompt_from_request(request)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
+        ids = await self._encode(prompt) if isinstance(prompt, str) else prompt
         limits = [w.stats.max_model_len for w in self.pool.handles() if w.stats is not None]
         if limits and len(ids) >= min(limits):
             raise InvalidRequestError("prompt", f"has {len(ids)} tokens but max_model_len is {min(limits)}; "
                                                 "shorten it to leave room for at least one output token")
         return ids
 
-    def _route_request(self, rid: str, ids: list[int]) -> RouteRequest:
+    def _route_request(self, rid: str, ids: list[int], cache_salt: str = "") -> RouteRequest:
         if self.pool.fingerprint is None:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, "no worker has answered yet; retry shortly")
-        hashes = block_hashes(ids, self.pool.block_size, self.pool.fingerprint)
+        hashes = block_hashes(ids, self.pool.block_size, self.pool.fingerprint, cache_salt=cache_salt)
         return RouteRequest(rid, ids, hashes, self.pool.block_size)
 
     def _pick(self, req: RouteRequest, stage: str) -> WorkerHandle | None:
@@ -151,12 +179,42 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
             self.scores.observe(stage, worker)
         return worker
 
-    def _failed(self, worker: WorkerHandle, req: RouteRequest, exc: grpc.aio.AioRpcError) -> None:
-        logger.warning("worker %s failed request %s (%s: %s); trying another",
-                       worker.address, req.request_id, exc.code().name, exc.details())
+    def _failed(self, worker: WorkerHandle, req: RouteRequest, exc: grpc.aio.AioRpcError,
+                stream: _Stream) -> None:
+        """A worker failed this request: skip it, or quarantine the request when it has
+        now made POISON_STRIKES workers fail."""
         worker.mark_unhealthy(self.config.unhealthy_cooldown_s)
         req.exclude.add(worker.address)
+        refused = exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or "").lower()
+        if not refused:
+            stream.worker_failures += 1
+        if stream.worker_failures >= POISON_STRIKES:
+            logger.error("request %s made %d workers fail (last %s: %s %s); quarantined, not retried",
+                         req.request_id, stream.worker_failures, worker.address, exc.code().name, exc.details())
+            raise StatusError(grpc.StatusCode.INTERNAL,
+                              f"request {req.request_id} failed on {stream.worker_failures} workers and is not "
+                              "retried again (quarantined); check its parameters, or report it if it is valid")
+        logger.warning("worker %s failed request %s (%s: %s); trying another",
+                       worker.address, req.request_id, exc.code().name, exc.details())
         retried(req.stage)
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The caller's tenant (API key id); None when the API is open."""
+        if not self.keys.enabled:
+            return None
+        return self.keys.tenant_of(metadata_value(context.invocation_metadata(), "authorization"))
+
+    async def _admit(self, tenant: str | None, tokens: int, context: grpc.aio.ServicerContext) -> None:
+        """Charge the tenant's rate-limit buckets, or end the call with RESOURCE_EXHAUSTED and
+        how long to wait (`retry-after` metadata and a google.rpc.RetryInfo detail)."""
+        decision = await self.limiter.check(tenant, tokens)
+        if decision.allowed:
+            return
+        if decision.impossible:
+            raise InvalidRequestError("max_tokens", decision.impossible)
+        message = f"rate limit exceeded for this API key; retry after {decision.retry_after_s:.0f} s"
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message,
+                            trailing_metadata=retry_after_metadata(decision.retry_after_s, message))
 
     # -- RPCs -----------------------------------------------------------------
 
@@ -166,13 +224,19 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
             try:
                 params = params_from_proto(request.params)
                 request, compression = await compress_request(request, self.tokenizer)
-                ids = self._prompt_ids(request)
-                route = self._route_request(rid, ids)
-                stream = _Stream(rid, ids, params, self.tokenizer, tel)
+                ids = await self._prompt_ids(request)
+                tenant = self._tenant(context)
+                salt = tenant_salt(tenant, request.cache_salt)
+                await self._admit(tenant, len(ids) + params.max_tokens, context)
+                route = self._route_request(rid, ids, salt)
+                stream = _Stream(rid, ids, params, self.tokenizer, tel, salt)
                 if compression is not None:
                     stream.original_prompt_tokens = compression.original_prompt_tokens
-                async for msg in self._generate(route, stream, context):
-                    yield msg
+                try:
+                    async for msg in self._generate(route, stream, context):
+                        yield msg
+                finally:
+                    await self.limiter.refund(tenant, params.max_tokens - len(stream.tokens))
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
@@ -210,7 +274,7 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
     async def _prefill(self, route: RouteRequest, stream: _Stream, decision: RouteDecision,
                        context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse | None:
         req = worker_pb2.PrefillRequest(request_id=route.request_id, prompt_token_ids=route.prompt_token_ids,
-                                        params=params_to_proto(stream.params))
+                                        params=params_to_proto(stream.params), cache_salt=stream.cache_salt)
         for _ in range(self.config.max_attempts):
             worker = self._pick(route, "prefill")
             if worker is None:
@@ -224,7 +288,7 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE:
                     raise
-                self._failed(worker, route, exc)
+                self._failed(worker, route, exc, stream)
             finally:
                 worker.in_flight -= 1
         return None
@@ -244,7 +308,8 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
                     request_id=route.request_id, prompt_token_ids=route.prompt_token_ids,
                     first_token_id=stream.tokens[0], params=params_to_proto(stream.params),
                     transfer_id=t.transfer_id, source_address=t.source_address,
-                    model_fingerprint=t.model_fingerprint), timeout=context.time_remaining(),
+                    model_fingerprint=t.model_fingerprint, cache_salt=stream.cache_salt),
+                    timeout=context.time_remaining(),
                     metadata=stream.telemetry.metadata)
             else:
                 call = worker.stub.Generate(stream.resume_request(), timeout=context.time_remaining(),
@@ -262,7 +327,7 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE:
                     raise
-                self._failed(worker, route, exc)
+                self._failed(worker, route, exc, stream)
             finally:
                 worker.in_flight -= 1
                 call.cancel()  # no-op when complete; otherwise the worker aborts and frees blocks
@@ -292,7 +357,10 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
     async def Tokenize(self, request: llm_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         if request.model and request.model != self.model_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {request.model!r} is not served here")
-        return llm_pb2.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, add_special_tokens=True))
+        try:
+            return llm_pb2.TokenizeResponse(token_ids=await self._encode(request.text, "text"))
+        except InvalidRequestError as exc:
+            await abort_with(context, exc)
 
     async def ListModels(self, request: llm_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):
         limits = [w.stats.max_model_len for w in self.pool.handles() if w.stats is not None]
@@ -303,8 +371,8 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
     async def CachePrompt(self, request: llm_pb2.CachePromptRequest, context: grpc.aio.ServicerContext):
         """Pin the prompt on every worker, so any of them serves it without recompute."""
         try:
-            ids = list(request.prompt_token_ids) or (
-                self.tokenizer.encode(request.prompt, add_special_tokens=True) if request.prompt else [])
+            ids = check_token_ids(list(request.prompt_token_ids)) or (
+                await self._encode(request.prompt) if request.prompt else [])
             if not ids:
                 raise InvalidRequestError("prompt", "give the prompt text or prompt_token_ids to cache")
             fwd = llm_pb2.CachePromptRequest(prompt_token_ids=ids, ttl_seconds=request.ttl_seconds,

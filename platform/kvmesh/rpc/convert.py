@@ -80,12 +80,20 @@ def output_to_proto(out: RequestOutput, request_id: str, num_new_logprobs: int =
     return msg
 
 
+def check_token_ids(ids: list[int], field: str = "prompt_token_ids") -> list[int]:
+    """Token ids must be non-negative (the worker also checks them against its vocabulary):
+    hashing and prompt cache ids pack them as unsigned 32-bit integers."""
+    if any(t < 0 for t in ids):
+        raise InvalidRequestError(field, "token ids must be >= 0 (and below the model's vocabulary size)")
+    return ids
+
+
 def prompt_from_request(req: llm_pb2.GenerateRequest) -> str | list[int]:
     """The request's prompt: text or token ids, exactly one of them."""
     if req.prompt and req.prompt_token_ids:
         raise InvalidRequestError("prompt", "set either prompt or prompt_token_ids, not both")
     if req.prompt_token_ids:
-        return list(req.prompt_token_ids)
+        return check_token_ids(list(req.prompt_token_ids))
     if not req.prompt:
         raise InvalidRequestError("prompt", "must not be empty: set prompt or prompt_token_ids")
     return req.prompt

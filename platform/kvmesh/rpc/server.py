@@ -18,6 +18,9 @@ MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A restarted worker comes back on its address: reconnect within seconds of its
+    # return, not after grpc's default backoff of up to 120 s.
+    ("grpc.max_reconnect_backoff_ms", 5000),
 ]
 
 

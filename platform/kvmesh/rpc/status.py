@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from kvmesh.errors import EngineDeadError, InvalidRequestError, KVMeshError
+from kvmesh.errors import EngineDeadError, InvalidRequestError, KVMeshError, ResourceExhaustedError, StepFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,11 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code(), exc.details() or exc.code().name
+    if isinstance(exc, ResourceExhaustedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, StepFailedError):
+        # This request only; the engine serves on. The router counts it as a worker failure.
+        return grpc.StatusCode.INTERNAL, f"internal error while running the request: {exc.cause!r}"
     if isinstance(exc, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, f"engine is down: {exc}"
     if isinstance(exc, MemoryError):

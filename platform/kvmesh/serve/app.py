@@ -56,13 +56,24 @@ def start_ray(address: str | None, cfg: ServingConfig) -> bool:
     return True
 
 
+def http_options(cfg: ServingConfig) -> dict[str, Any]:
+    """Ray Serve's HTTP proxy options: HTTPS with the config's certificate when it has one."""
+    opts: dict[str, Any] = {"host": cfg.host, "port": cfg.http_port}
+    sec = cfg.security
+    if sec.tls:
+        opts.update(ssl_certfile=sec.tls_cert_file, ssl_keyfile=sec.tls_key_file)
+        if sec.tls_client_ca_file:
+            opts["ssl_ca_certs"] = sec.tls_client_ca_file
+    return opts
+
+
 def deploy(cfg: ServingConfig, timeout_s: float = 900.0) -> None:
     """Deploy or update the app on the connected Ray instance; returns once it runs.
 
     Declarative, like `serve deploy` and KubeRay: `import_path` + `args` (the config
     without placement) + per-deployment placement overrides. Ray Serve keeps replicas
     whose code and args did not change, so a new replica count scales in place."""
-    serve.start(http_options={"host": cfg.host, "port": cfg.http_port})
+    serve.start(http_options=http_options(cfg))
     schema = ServeDeploySchema.model_validate({"applications": [cfg.ray_serve_application()]})
     _get_global_client().deploy_apps(schema)
     time.sleep(1.0)  # let the controller pick up the new target before reading status

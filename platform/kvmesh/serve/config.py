@@ -21,12 +21,15 @@ Example (YAML)::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvmesh.config import EngineConfig, TracingConfig
 from kvmesh.router.config import RouterConfig
+from kvmesh.serve.autoscale import policy_config
+
+WORKER_ROLES = ("prefill", "decode", "unified")
 
 
 class _Base(BaseModel):
@@ -55,7 +58,10 @@ class Resources(_Base):
 
 
 class Autoscaling(_Base):
-    """Ray Serve autoscaling: replicas follow ongoing requests per replica."""
+    """Ray Serve autoscaling of one role. Worker roles follow kvmesh's own signals by
+    default (kvmesh.serve.autoscale: queue depth, KV usage, TTFT / TPOT p90 against `slo`);
+    the router, and any role with `signals: ongoing_requests`, follow Ray's count of
+    ongoing requests per replica."""
 
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
@@ -64,6 +70,9 @@ class Autoscaling(_Base):
     )
     upscale_delay_s: float = Field(30.0, ge=0)
     downscale_delay_s: float = Field(600.0, ge=0)
+    signals: Literal["kvmesh", "ongoing_requests"] = Field(
+        "kvmesh", description="kvmesh: scale worker roles on queue depth, KV usage and TTFT / TPOT against the "
+        "config's slo; ongoing_requests: Ray Serve's default policy (sees only calls through Ray).")
 
     @model_validator(mode="after")
     def _check(self) -> "Autoscaling":
@@ -71,12 +80,16 @@ class Autoscaling(_Base):
             raise ValueError("autoscaling.min_replicas must be <= max_replicas")
         return self
 
-    def ray(self) -> dict[str, Any]:
-        return {
+    def ray(self, role: str | None = None, slo: "SLOTargets | None" = None) -> dict[str, Any]:
+        """Ray Serve's autoscaling_config; a worker `role` with `slo` gets the kvmesh policy."""
+        out = {
             "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
             "target_ongoing_requests": self.target_ongoing_requests,
             "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
         }
+        if self.signals == "kvmesh" and role in WORKER_ROLES and slo is not None:
+            out["policy"] = policy_config(role, slo.ttft_s, slo.tpot_s)
+        return out
 
 
 class Workload(_Base):
@@ -95,9 +108,9 @@ class Workload(_Base):
         description="Flat engine options for this role only (e.g. {max_num_seqs: 8} for prefill).",
     )
 
-    def scaling_options(self) -> dict[str, Any]:
+    def scaling_options(self, role: str | None = None, slo: "SLOTargets | None" = None) -> dict[str, Any]:
         if self.autoscaling is not None:
-            return {"autoscaling_config": self.autoscaling.ray()}
+            return {"autoscaling_config": self.autoscaling.ray(role, slo)}
         return {"num_replicas": self.replicas}
 
 
@@ -118,6 +131,45 @@ class KVStoreConfig(_Base):
         return self.redis_url or "memory"
 
 
+class SecurityConfig(_Base):
+    """TLS on the public endpoints and the internal token of router <-> worker calls.
+
+    Only file paths live here (the config is readable in ConfigMaps and Ray's dashboard):
+    the secrets themselves are files (Kubernetes Secrets mounted by the operator) or
+    environment variables (README "Security")."""
+
+    tls_cert_file: str | None = Field(
+        None, description="PEM certificate chain of the public gRPC and HTTP endpoints; set with tls_key_file to "
+        "serve them over TLS.")
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
+    tls_client_ca_file: str | None = Field(
+        None, description="PEM CA bundle; when set, public clients must present a certificate it signed (mTLS).")
+    internal_token_file: str | None = Field(
+        None, description="File holding the shared internal token every worker RPC must carry "
+        "(KVMESH_INTERNAL_TOKEN in the environment takes precedence).")
+
+    @model_validator(mode="after")
+    def _pair(self) -> "SecurityConfig":
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("security: give both tls_cert_file and tls_key_file (or neither)")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("security.tls_client_ca_file needs tls_cert_file and tls_key_file")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+
+class SLOTargets(_Base):
+    """Latency targets (p90 over a recent window) the kvmesh autoscaling policy
+    (router.autoscale) scales each role against: prefill / unified replicas for TTFT,
+    decode / unified replicas for TPOT."""
+
+    ttft_s: float = Field(2.0, gt=0, description="Time to first token, p90, seconds.")
+    tpot_s: float = Field(0.1, gt=0, description="Time per output token, p90, seconds.")
+
+
 class ServingConfig(_Base):
     name: str = Field("kvmesh", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
                       description="Application name (Ray Serve app, registry actor, metrics label).")
@@ -127,6 +179,7 @@ class ServingConfig(_Base):
     prefill: Workload | None = Field(None, description="Prefill replicas; None = unified serving.")
     decode: Workload = Field(default_factory=Workload, description="Decode (or unified) replicas.")
     kv_store: KVStoreConfig = Field(default_factory=KVStoreConfig)
+    slo: SLOTargets = Field(default_factory=SLOTargets, description="Latency targets for SLO autoscaling.")
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     host: str = Field("127.0.0.1", description="Address the gRPC and HTTP endpoints listen on.")
     grpc_port: int = Field(50051, ge=0, le=65535, description="Public gRPC port (kvmesh.v1.LLM).")
@@ -135,6 +188,8 @@ class ServingConfig(_Base):
     registry_ttl_s: float = Field(
         10.0, gt=0, description="A worker that misses heartbeats this long leaves the registry."
     )
+    security: SecurityConfig = Field(default_factory=SecurityConfig,
+                                     description="TLS of the public endpoints, internal token file.")
 
     @property
     def disaggregated(self) -> bool:
@@ -175,7 +230,7 @@ class ServingConfig(_Base):
         """Per-deployment placement, in Ray Serve config-file form."""
         out = []
         for name, wl in [("router", self.router), *self.roles().items()]:
-            out.append({"name": name, **wl.scaling_options(), "ray_actor_options": wl.resources.ray_actor_options()})
+            out.append({"name": name, **wl.scaling_options(name, self.slo), "ray_actor_options": wl.resources.ray_actor_options()})
         return out
 
     def ray_serve_application(self, import_path: str = "kvmesh.serve.app:build") -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -25,6 +26,9 @@ from ray import serve
 from kvmesh.build import build_worker
 from kvmesh.config import EngineConfig
 from kvmesh.router.server import RouterServer, load_router_tokenizer
+from kvmesh.rpc.internal_auth import InternalAuth
+from kvmesh.rpc.tls import TLSFiles
+from kvmesh.serve.autoscale import LatencyWindow, replica_metrics
 from kvmesh.serve.config import ServingConfig
 from kvmesh.serve.loop import LoopThread
 from kvmesh.serve.openai import GrpcBackend, create_app
@@ -47,9 +51,20 @@ def _advertised_host(bind_host: str) -> str:
 # -- workers -----------------------------------------------------------------------------
 
 
+def _with_threads(engine: EngineConfig) -> EngineConfig:
+    """Ray sets OMP_NUM_THREADS=1 in every replica (num_cpus is a placement count, not a
+    thread count), which would run the model on one core. A worker replica uses every core
+    its process may run on unless the config says otherwise (set engine.num_threads, or a
+    role's engine_overrides, when several worker replicas share a node)."""
+    if engine.num_threads is not None:
+        return engine
+    return engine.with_overrides(num_threads=len(os.sched_getaffinity(0)))
+
+
 async def _start_worker(engine_config: EngineConfig, cfg: ServingConfig, role: str) -> WorkerServer:
     server = build_worker(engine_config, WorkerServerConfig(
-        role=role, host=cfg.host, port=0, model_id=cfg.model_id, transfer_ttl_s=cfg.transfer_ttl_s))
+        role=role, host=cfg.host, port=0, model_id=cfg.model_id, transfer_ttl_s=cfg.transfer_ttl_s),
+        auth=InternalAuth.load(cfg.security.internal_token_file))
     await server.start()
     return server
 
@@ -63,7 +78,11 @@ class WorkerDeployment:
         configure_tracing(cfg.tracing)
         self._loop = LoopThread(f"kvmesh-{role}")
         # The model loads in a thread of this process; the replica is not ready until it has.
-        self.server = self._loop.run(_start_worker(cfg.engine_for(role), cfg, role))
+        self.server = self._loop.run(_start_worker(_with_threads(cfg.engine_for(role)), cfg, role))
+        # TTFT / TPOT of finished requests, for the kvmesh autoscaling policy (record_autoscaling_stats).
+        self._latency = LatencyWindow()
+        engine = self.server.aengine.engine
+        engine.step = self._latency.wrap(engine.step)
         self.address = f"{_advertised_host(cfg.host)}:{self.server.port}"
         self._registry = get_registry(cfg.name, cfg.registry_ttl_s)
         ray.get(self._registry.register.remote(self.address, role))
@@ -81,12 +100,18 @@ class WorkerDeployment:
                 logger.warning("heartbeat to the worker registry failed: %r", exc)
 
     async def check_health(self) -> None:
-        """Ray Serve's health check: the loop runs and the engine's step loop is alive."""
+        """Ray Serve's health check: the loop runs and the engine is healthy (step loop
+        alive, no step over the watchdog); failing it makes Ray Serve replace the replica."""
         if not self._loop.alive():
             raise RuntimeError("worker event loop stopped")
-        dead = self.server.aengine._dead
-        if dead is not None:
-            raise RuntimeError(f"engine step loop died: {dead!r}")
+        ok, why = self.server.aengine.health()
+        if not ok:
+            raise RuntimeError(why)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom autoscaling metrics: queue depth, KV usage, TTFT / TPOT p90
+        (read by kvmesh.serve.autoscale.KvmeshAutoscalingPolicy)."""
+        return replica_metrics(await self._loop.run_async(self._stats()), self._latency)
 
     async def info(self) -> dict[str, Any]:
         """Address, role and KV block counts (tests and the admin endpoint)."""
@@ -161,7 +186,11 @@ def _wait_for_roles(registry: RayActorRegistry, needed: set[str], timeout_s: flo
 
 
 async def _start_router(registry: RayActorRegistry, tokenizer, cfg: ServingConfig, min_workers: int) -> RouterServer:
-    router = RouterServer(registry, tokenizer, cfg.router.config, cfg.model_id, cfg.host, cfg.grpc_port)
+    sec = cfg.security
+    tls = TLSFiles(cert_file=sec.tls_cert_file, key_file=sec.tls_key_file,
+                   client_ca_file=sec.tls_client_ca_file) if sec.tls else None
+    router = RouterServer(registry, tokenizer, cfg.router.config, cfg.model_id, cfg.host, cfg.grpc_port, tls=tls,
+                          auth=InternalAuth.load(sec.internal_token_file))
     await router.start(wait_workers_s=300, min_workers=min_workers)
     return router
 
@@ -180,10 +209,8 @@ class RouterDeployment:
         _wait_for_roles(self._registry, needed, _ROUTER_WAIT_WORKERS_S)
         self.router = self._loop.run(_start_router(self._registry, tokenizer, cfg, len(needed)))
         self.grpc_address = f"{_advertised_host(cfg.host)}:{self.router.port}"
-        local = f"127.0.0.1:{self.router.port}" if cfg.host in ("0.0.0.0", "127.0.0.1", "localhost") else \
-            self.router.address
         _STATE["router"] = self.router
-        _STATE["backend"] = GrpcBackend(local, tokenizer, cfg.model_id)
+        _STATE["backend"] = GrpcBackend(self.router.loopback_address, tokenizer, cfg.model_id)
         logger.info("kvmesh router: gRPC at %s", self.grpc_address)
 
     async def check_health(self) -> None:
@@ -212,7 +239,7 @@ def build_app(cfg: ServingConfig) -> serve.Application:
             ray_actor_options=wl.resources.ray_actor_options(),
             health_check_period_s=5, health_check_timeout_s=30,
             graceful_shutdown_timeout_s=cfg.transfer_ttl_s + 40, graceful_shutdown_wait_loop_s=1,
-            max_ongoing_requests=64, **wl.scaling_options(),
+            max_ongoing_requests=64, **wl.scaling_options(role, cfg.slo),
         )
         workers[role] = dep.bind(data, role)
     router = serve.deployment(RouterDeployment).options(

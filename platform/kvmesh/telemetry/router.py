@@ -16,6 +16,7 @@ import grpc
 
 from kvmesh.telemetry import metrics as m
 from kvmesh.telemetry import tracing
+from kvmesh.telemetry.workers import worker_label
 
 if TYPE_CHECKING:
     from kvmesh.router.plugins import WorkerScheduler
@@ -137,7 +138,7 @@ class ScoreRecorder:
         scheduler.scorers = [(r, w) for r, (_, w) in zip(self._scorers, scheduler.scorers)]
 
     def observe(self, stage: str, worker: WorkerHandle) -> None:
-        _child(m.PICKS, stage, worker.address).inc()
+        _child(m.PICKS, stage, worker_label(worker.address, worker.role)).inc()
         for rec in self._scorers:
             workers, scores = rec.last
             for w, s in zip(workers, scores):

@@ -2,8 +2,11 @@
 
 The router already polls every worker's Stats; `CLUSTER` (a prometheus Collector in
 kvmesh's REGISTRY) turns the last answer of each into metric families labelled
-`worker` (its gRPC address) and `role`, so the router's /metrics covers the whole
-cluster. A worker process started with --metrics-port registers its own Stats as a
+`worker` (an opaque id, `worker_label`) and `role`, so the router's /metrics covers the
+whole cluster. /metrics is open (scrapers carry no API key), so it never names a worker
+address a client could dial: the id is `<role>-<8 hex>`, an HMAC of the address keyed by
+the internal token (stable across routers and restarts of one deployment) or, without
+one, by a per-process random key. A worker process started with --metrics-port registers its own Stats as a
 source too (a series per address: the first source that has it wins).
 
 | name | type | extra labels |
@@ -27,7 +30,10 @@ split by where the reused KV came from.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -79,6 +85,14 @@ _SPLIT_COUNTERS: tuple[tuple[str, str, str, tuple[tuple[str, Callable[[Stats], f
      (("read", lambda s: s.kv_store_bytes_read), ("written", lambda s: s.kv_store_bytes_written))),
 )
 _LABELS = ["worker", "role"]
+# Keys the worker label; KVMESH_INTERNAL_TOKEN is the deployment's shared secret (rpc/internal_auth.py).
+_LABEL_KEY = os.environ.get("KVMESH_INTERNAL_TOKEN", "").encode() or os.urandom(32)
+
+
+def worker_label(address: str, role: str = "") -> str:
+    """The `worker` label value of a worker: opaque, stable for a given address."""
+    digest = hmac.new(_LABEL_KEY, address.encode(), hashlib.sha256).hexdigest()[:8]
+    return f"{role or 'worker'}-{digest}"
 
 
 def stats_families(items: Iterable[tuple[Stats, bool]]) -> list:
@@ -94,7 +108,7 @@ def stats_families(items: Iterable[tuple[Stats, bool]]) -> list:
         if stats.address in seen:
             continue
         seen.add(stats.address)
-        labels = [stats.address, stats.role]
+        labels = [worker_label(stats.address, stats.role), stats.role]
         healthy.add_metric(labels, 1.0 if ok else 0.0)
         for fam, get in (*gauges, *counters):
             fam.add_metric(labels, get(stats))

@@ -60,15 +60,16 @@ class StoreConnector:
         if not hashes:
             return 0
         t0 = time.perf_counter()
-        values = self.store.get_many([block_key(self.codec.fingerprint, h) for h in hashes])
+        keys = [block_key(self.codec.fingerprint, h) for h in hashes]
+        values = self.store.get_many(keys)
         self.counters["lookup_seconds"] += time.perf_counter() - t0
         self.counters["lookups"] += 1
         payloads = []
-        for value in values:
+        for key, value in zip(keys, values):
             if value is None:
                 break
             try:
-                payloads.append(self.codec.decode(value))
+                payloads.append(self.codec.decode(value, key))
             except BlockDecodeError as exc:
                 self.counters[f"rejected_{exc.kind}"] += 1
                 logger.warning("kv store block rejected (%s); computing it locally", exc)
@@ -112,17 +113,14 @@ class StoreConnector:
             # seq.block_ids is the table as scheduled: still valid for a request that
             # finished this step (its freed blocks are not reused before the next step).
             data = self.runner.read_blocks(seq.block_ids[saved:full])
-            items = [
-                (block_key(self.codec.fingerprint, req.block_hashes[i]),
-                 self.codec.encode(block_to_bytes(data[:, :, i - saved])))
-                for i in range(saved, full)
-            ]
+            keys = [block_key(self.codec.fingerprint, req.block_hashes[i]) for i in range(saved, full)]
+            items = [(k, self.codec.encode(block_to_bytes(data[:, :, j]), k)) for j, k in enumerate(keys)]
             self.enqueue(items, self.ttl_s)
 
     def _update_hashes(self, request: Request) -> None:
         # The same chained hashes the engine's prefix cache computes (and caches on the request).
         request.block_hashes = block_hashes(request.all_token_ids, self.block_size, self.codec.fingerprint,
-                                            request.block_hashes)
+                                            request.block_hashes, request.cache_salt)
 
     def pin_prompt(self, token_ids: list[int], block_ids: list[int]) -> list[bytes]:
         """Write the prompt's full blocks without TTL (synchronously, after queued writes)
@@ -133,7 +131,8 @@ class StoreConnector:
         if not keys:
             return keys
         data = self.runner.read_blocks(block_ids[: len(hashes)])
-        self.store.put_many([(k, self.codec.encode(block_to_bytes(data[:, :, i]))) for i, k in enumerate(keys)], None)
+        self.store.put_many([(k, self.codec.encode(block_to_bytes(data[:, :, i]), k)) for i, k in enumerate(keys)],
+                            None)
         self.store.pin(keys)
         return keys
 

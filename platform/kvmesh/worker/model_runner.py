@@ -8,6 +8,7 @@ token of sequences that sample this step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,11 +17,13 @@ import torch
 from kvmesh.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from kvmesh.layers.attention import SeqSpan, get_attention_backend
 from kvmesh.models.arch import ArchConfig
+from kvmesh.worker.cuda_graphs import DecodeGraphs, GraphRecorder
 from kvmesh.worker.sampler import sample
 from kvmesh.worker.spec_decode import verify
 
 # EngineConfig.model.dtype -> torch dtype
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,7 +42,10 @@ class KVCacheSpec:
 
 class ModelRunner:
     def __init__(self, model, arch: ArchConfig, block_size: int, num_blocks: int,
-                 device: torch.device, seed: int = 0, attention_backend: str = "auto"):
+                 device: torch.device, seed: int = 0, attention_backend: str = "auto",
+                 cuda_graph_max_batch: int = 0, max_model_len: int = 0, graph_recorder: GraphRecorder | None = None):
+        """`cuda_graph_max_batch` > 0 captures decode graphs up to that batch (CUDA, or any
+        device with a `graph_recorder`, for tests); `max_model_len` bounds their contexts."""
         self.model = model
         self.arch = arch
         self.device = device
@@ -58,6 +64,20 @@ class ModelRunner:
         self.backend = get_attention_backend(attention_backend, block_size, device)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._req_generators: dict[str, torch.Generator] = {}
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_max_batch and (device.type == "cuda" or graph_recorder is not None):
+            self._capture_graphs(cuda_graph_max_batch, max_model_len, graph_recorder)
+
+    @torch.inference_mode()
+    def _capture_graphs(self, max_batch: int, max_model_len: int, recorder: GraphRecorder | None) -> None:
+        if not getattr(self.backend, "supports_cuda_graphs", False):
+            logger.warning("CUDA graphs need the triton attention backend; %s runs every step eagerly",
+                           type(self.backend).__name__)
+            return
+        self.graphs = DecodeGraphs(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta, self.backend),
+                                   self.backend, max_batch, max_model_len, self.block_size, self.device, recorder)
+        seconds = self.graphs.capture()
+        logger.info("captured decode CUDA graphs for batch sizes %s in %.2f s", self.graphs.sizes, seconds)
 
     def _generator_for(self, seq: ScheduledSeq) -> torch.Generator | None:
         seed = seq.sampling_params.seed
@@ -93,11 +113,13 @@ class ModelRunner:
             ids.extend(s.token_ids)
             pos.append(np.arange(s.start_pos, s.start_pos + s.num_tokens))
             q_start += s.num_tokens
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.from_numpy(np.concatenate(pos)).to(self.device)
-        meta = self.backend.build_metadata(spans, num_decodes)
-
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if self.graphs is not None and self.graphs.can_run(spans, num_decodes):
+            hidden = self.graphs.run(spans, ids)
+        else:
+            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+            positions = torch.from_numpy(np.concatenate(pos)).to(self.device)
+            meta = self.backend.build_metadata(spans, num_decodes)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         sampling = [(i, s) for i, s in enumerate(seqs) if s.sample and not s.spec_token_ids]
         speculating = [(i, s) for i, s in enumerate(seqs) if s.sample and s.spec_token_ids]
         out = ModelRunnerOutput({}, logits={} if return_logits else None)

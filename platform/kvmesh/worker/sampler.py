@@ -34,11 +34,14 @@ def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k / top-p / min-p set."""
     vocab = x.shape[-1]
     dev = x.device
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    # Per row, top_k is clamped to the vocabulary: a request asking for more tokens than
+    # exist keeps them all (and must not break the topk of the rows batched with it).
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
     top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=x.dtype)
     min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=x.dtype)
     if (top_k < vocab).any():
-        kth = x.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).clamp(max=vocab - 1)[:, None])
+        # (B, kmax) largest logits, then each row's own k-th largest as its threshold.
+        kth = x.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
     if (min_p > 0).any():
         probs = x.softmax(-1)
@@ -102,7 +105,7 @@ def sample(
                 continue
             top = []
             if p.logprobs:
-                vals, ids = logprobs[i].topk(p.logprobs)
+                vals, ids = logprobs[i].topk(min(p.logprobs, logprobs.shape[-1]))
                 top = list(zip(ids.tolist(), vals.tolist()))
             out_lp[i] = TokenLogprobs(token_list[i], float(logprobs[i, token_list[i]]), top)
     return token_list, out_lp, (probs if return_probs else None)

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvmesh._proto import llm_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.compress.proto import compress_request
 from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.kv_events import KVEventLog
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError
@@ -39,6 +40,7 @@ from kvmesh.rpc import (
     prompt_from_request,
     set_serving,
 )
+from kvmesh.rpc.internal_auth import InternalAuth
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import start_metrics_server
 from kvmesh.telemetry.workers import CLUSTER, CacheSourceTracker, loop_source
@@ -97,8 +99,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     there; `cache_sources` (the chain's outer end) says where reused KV came from."""
 
     def __init__(self, aengine: AsyncLLMEngine, config: WorkerServerConfig, address: str,
-                 loader: PulledKVLoader, cache_sources: CacheSourceTracker):
+                 loader: PulledKVLoader, cache_sources: CacheSourceTracker, auth: InternalAuth | None = None):
         self.aengine = aengine
+        self.auth = auth or InternalAuth()  # credentials of this worker's PullKV channels
         self.engine = aengine.engine
         self.runner = self.engine.executor.runner
         self.config = config
@@ -108,6 +111,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.cache_sources = cache_sources
         self.counters = _Counters()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Stored / evicted block hashes, sent to routers that ask in Stats (their exact index).
+        self.kv_events = KVEventLog(self.engine.kv_manager.pool)
 
     # -- helpers ------------------------------------------------------------
 
@@ -127,13 +132,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.counters.count_finished(out, self.cache_sources.split(out.request_id, out.num_cached_tokens))
         tracing.set_request_output(span, out)
 
+    def _check_healthy(self) -> None:
+        """Refuse new work while the engine is unhealthy (UNAVAILABLE: the router skips
+        this worker and retries elsewhere) instead of queueing it behind a wedged step."""
+        ok, why = self.aengine.health()
+        if not ok:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"worker {self.address} is unhealthy: {why}")
+
     def _span_attrs(self, request_id: str) -> dict[str, str]:
         return {"kvmesh.request_id": request_id, "kvmesh.worker": self.address, "kvmesh.role": self.config.role}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = self._channels[address] = self.auth.channel(address)
         return ch
 
     async def _release(self, transfer_id: str) -> None:
@@ -157,7 +169,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         rid = request.request_id or uuid.uuid4().hex
         with tracing.server_span("kvmesh.worker.generate", context, self._span_attrs(rid)) as span:
             try:
-                params = params_from_proto(request.params)
+                self._check_healthy()
+                params = dataclasses.replace(params_from_proto(request.params), cache_salt=request.cache_salt)
                 request, compression = await compress_request(request, self.engine.tokenizer)
                 prompt = prompt_from_request(request)
                 async for msg in self._stream(prompt, params, rid, f"{rid}-{uuid.uuid4().hex[:8]}", span):
@@ -174,7 +187,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         engine_id = f"{rid}-{uuid.uuid4().hex[:8]}"
         with tracing.server_span("kvmesh.worker.prefill", context, self._span_attrs(rid)) as span:
             try:
-                params = params_from_proto(request.params)
+                self._check_healthy()
+                params = dataclasses.replace(params_from_proto(request.params), cache_salt=request.cache_salt)
                 prompt = list(request.prompt_token_ids)
                 # Hold the KV only if a decode will follow: more tokens wanted and room left.
                 hold = params.max_tokens > 1 and len(prompt) + 1 < self.engine.max_model_len
@@ -244,7 +258,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         engine_id = f"{rid}-{uuid.uuid4().hex[:8]}"
         with tracing.server_span("kvmesh.worker.decode", context, self._span_attrs(rid)) as span:
             try:
-                params = params_from_proto(request.params)
+                self._check_healthy()
+                params = dataclasses.replace(params_from_proto(request.params), cache_salt=request.cache_salt)
                 if params.max_tokens < 2:
                     raise InvalidRequestError("max_tokens", "Decode needs max_tokens >= 2 (prefill produced the "
                                                             "first token); finish max_tokens=1 requests at prefill")
@@ -297,9 +312,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.engine.validate_prompt_ids(ids)
             name = request.name or prompt_cache_id(ids)
             ttl = float(request.ttl_seconds) if request.ttl_seconds > 0 else None
-            # cache_prompt drives the engine until the prompt is computed; between steps
-            # is the only safe place (other requests' outputs are buffered, not lost).
-            n = await self.aengine.run_between_steps(lambda: self.engine.cache_prompt(name, ids, ttl))
+            # Runs as a normal request (the event loop stays free); over the pin quota it
+            # fails at once with RESOURCE_EXHAUSTED.
+            n = await self.aengine.cache_prompt(name, ids, ttl)
             return llm_pb2.CachePromptResponse(cache_id=name, num_tokens=n)
         except grpc.aio.AbortError:
             raise
@@ -315,7 +330,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return llm_pb2.UncachePromptResponse()
 
     async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext):
-        return await self.aengine.run_between_steps(lambda: self.stats_now(request.max_block_hashes))
+        ok, why = self.aengine.health()
+        if not ok:  # the router's poll then marks this worker unhealthy
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.address} is unhealthy: {why}")
+        return await self.aengine.run_between_steps(lambda: self._stats_with_events(request))
+
+    def _stats_with_events(self, request: worker_pb2.StatsRequest) -> worker_pb2.StatsResponse:
+        resp = self.stats_now(request.max_block_hashes)
+        if request.kv_events:
+            ev = self.kv_events.since(request.kv_events_epoch, request.kv_events_after)
+            resp.kv_stored.extend(ev.stored)
+            resp.kv_removed.extend(ev.removed)
+            resp.kv_events_epoch, resp.kv_events_seq, resp.kv_events_reset = ev.epoch, ev.seq, ev.reset
+        return resp
 
     def stats_now(self, max_block_hashes: int = 0) -> worker_pb2.StatsResponse:
         """This worker's Stats; reads the engine, so only between steps (run_between_steps)."""
@@ -350,18 +377,22 @@ class WorkerServer:
     """A started worker: gRPC server, servicer and the TTL sweeper."""
 
     def __init__(self, aengine: AsyncLLMEngine, config: WorkerServerConfig, loader: PulledKVLoader,
-                 cache_sources: CacheSourceTracker):
+                 cache_sources: CacheSourceTracker, auth: InternalAuth | None = None):
         self.aengine = aengine
         self.config = config
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        # Every worker RPC but health checks needs the internal token when one is set
+        # (KVMESH_INTERNAL_TOKEN / _FILE): worker ports refuse outsiders.
+        self.auth = auth if auth is not None else InternalAuth.load()
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=self.auth.server_interceptors() or None)
+        self.port = self.auth.add_port(self.server, f"{config.host}:{config.port}")
         if self.port == 0:
             raise OSError(f"could not listen on {config.host}:{config.port}; pick another --port")
         self.address = f"{config.host}:{self.port}"
-        self.servicer = WorkerServicer(aengine, config, self.address, loader, cache_sources)
+        self.servicer = WorkerServicer(aengine, config, self.address, loader, cache_sources, self.auth)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self._sweeper: asyncio.Task | None = None
+        self._health_watch: asyncio.Task | None = None
         self.metrics_server = None  # prometheus HTTP server when config.metrics_port is set
 
     async def start(self) -> None:
@@ -372,8 +403,24 @@ class WorkerServer:
             stats = lambda: self.aengine.run_between_steps(self.servicer.stats_now)  # noqa: E731
             CLUSTER.add(self, loop_source(stats, asyncio.get_running_loop()))
         await set_serving(self.health, [SERVICE_NAME], True)
+        self._health_watch = asyncio.create_task(self._watch_health())
+
+    async def _watch_health(self, period_s: float = 1.0) -> None:
+        """gRPC health follows the engine's (step watchdog, dead loop): NOT_SERVING makes
+        supervisors (serve --local, Kubernetes probes) replace this worker."""
+        serving = True
+        while True:
+            await asyncio.sleep(period_s)
+            ok, why = self.aengine.health()
+            if ok != serving:
+                if not ok:
+                    logger.error("worker unhealthy, reporting NOT_SERVING: %s", why)
+                await set_serving(self.health, [SERVICE_NAME], ok)
+                serving = ok
 
     async def stop(self, grace: float = 2.0) -> None:
+        if self._health_watch is not None:
+            self._health_watch.cancel()
         await set_serving(self.health, [SERVICE_NAME], False)
         if self._sweeper is not None:
             self._sweeper.cancel()

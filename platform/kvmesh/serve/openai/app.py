@@ -1,7 +1,9 @@
 """The OpenAI-compatible FastAPI app: `create_app(get_backend, metrics)` assembles the
 routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/health`, `/metrics`),
 the OpenAI-shaped error handlers (bad bodies become a 400 naming the field) and, when
-`KVMESH_API_KEY` is set, the bearer-key check on `/v1/*`. The routes are module-level
+`KVMESH_API_KEY` is set, the bearer-key check on `/v1/*`. Every error is OpenAI-shaped,
+FastAPI's own 404 / 405 / body errors and unexpected exceptions included; request
+limits (body size, prompt size, batch size) are `limits.HTTPLimits`. The routes are module-level
 functions that find the backend through `app.state`, so one app object can be built
 before its backend exists (the Ray replica's case). `serve_http_in_thread` runs an app
 with uvicorn on its own thread, for the local launcher and the router process.
@@ -10,6 +12,9 @@ with uvicorn on its own thread, for the local launcher and the router process.
 from __future__ import annotations
 
 import functools
+import logging
+import re
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -19,27 +24,35 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvmesh.rpc.auth import api_key, authorized
+from kvmesh.rpc.auth import ApiKeys
 from kvmesh.serve.openai import chat, completions
-from kvmesh.serve.openai.backend import GrpcBackend
+from kvmesh.serve.openai.backend import CLIENT_AUTHORIZATION, GrpcBackend
 from kvmesh.serve.openai.generation import BackendSource
+from kvmesh.serve.openai.limits import BodySizeLimit, HTTPLimits, body_too_large_cause, too_large
 from kvmesh.serve.openai.protocol import APIError
 
 MetricsRenderer = Callable[[], tuple[bytes, str]]
+logger = logging.getLogger(__name__)
+
 
 def create_app(get_backend: Callable[[], GrpcBackend | None], metrics: MetricsRenderer | None = None,
-               title: str = "kvmesh") -> FastAPI:
+               title: str = "kvmesh", limits: HTTPLimits | None = None) -> FastAPI:
     """The OpenAI-compatible app. `get_backend` is called per request (the Ray replica
     sets its backend after the app object is built); `metrics` renders /metrics."""
     app = FastAPI(title=f"{title} OpenAI-compatible API")
     app.state.kvmesh_backends = BackendSource(get_backend)
     app.state.kvmesh_metrics = metrics
+    app.state.kvmesh_limits = limits = limits or HTTPLimits()
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    key = api_key()
-    if key:
-        app.middleware("http")(functools.partial(_check_api_key, key))
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    keys = ApiKeys.from_env()
+    if keys.enabled:
+        app.middleware("http")(functools.partial(_check_api_key, keys))
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics_endpoint, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
@@ -49,21 +62,50 @@ def create_app(get_backend: Callable[[], GrpcBackend | None], metrics: MetricsRe
 
 
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-    msg = f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg", exc))
+    detail = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if not loc and (m := re.match(r"([A-Za-z_][\w.\[\]]*): ", detail)):  # our validators name the field
+        loc = m.group(1)
+        detail = detail[m.end():]
+    msg = f"{loc}: {detail}" if loc else detail
     return JSONResponse(APIError(400, msg, param=loc or None).body(), status_code=400)
 
 
-async def _check_api_key(key: str, request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    if request.url.path.startswith("/v1/") and not authorized(request.headers.get("authorization"), key):
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's and Starlette's own errors (unknown route, wrong method, unreadable body)."""
+    if body_too_large_cause(exc):
+        err = too_large(request.app.state.kvmesh_limits.max_body_bytes)
+    elif exc.status_code == 404:
+        err = APIError(404, f"no route {request.url.path}; see /docs for the API", "not_found_error")
+    elif exc.status_code == 405:
+        err = APIError(405, f"method {request.method} is not allowed on {request.url.path}", "invalid_request_error")
+    else:
+        err = APIError(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500
+                       else "internal_error")
+    return JSONResponse(err.body(), status_code=err.status, headers=getattr(exc, "headers", None))
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected error in an HTTP handler", exc_info=exc)
+    err = APIError(500, f"internal error: {exc!r}", "internal_error", code="internal_error")
+    return JSONResponse(err.body(), status_code=500)
+
+
+async def _check_api_key(keys: ApiKeys, request: Request,
+                         call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    if not request.url.path.startswith("/v1/"):
+        return await call_next(request)
+    header = request.headers.get("authorization")
+    if keys.tenant_of(header) is None:
         err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                        "authentication_error", code="invalid_api_key")
         return JSONResponse(err.body(), status_code=401)
+    CLIENT_AUTHORIZATION.set(header)  # forwarded to the router: the tenant's salt and rate limit
     return await call_next(request)
 
 
@@ -94,10 +136,18 @@ async def models(request: Request):
         for m in resp.models]}
 
 
-def serve_http_in_thread(app: FastAPI, host: str, port: int) -> uvicorn.Server:
+def serve_http_in_thread(app: FastAPI, host: str, port: int, ssl_certfile: str | None = None,
+                         ssl_keyfile: str | None = None, ssl_ca_certs: str | None = None) -> uvicorn.Server:
     """Run `app` with uvicorn on its own thread and loop (leaves the caller's signal
-    handling alone). Returns the uvicorn Server; set `server.should_exit = True` to stop."""
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    handling alone). Returns the uvicorn Server; set `server.should_exit = True` to stop.
+    With `ssl_certfile` / `ssl_keyfile` it serves HTTPS (and, with `ssl_ca_certs`,
+    requires client certificates signed by that CA)."""
+    tls = {}
+    if ssl_certfile:
+        tls = {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile}
+        if ssl_ca_certs:
+            tls.update(ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **tls))
     thread = threading.Thread(target=server.run, daemon=True, name="kvmesh-http")
     thread.start()
     deadline = time.monotonic() + 30

@@ -5,7 +5,10 @@ so the router never needs the template. kvmesh's `compression` extension compres
 `<context>...</context>` spans of each message here, before templating (the router only
 compresses text prompts); usage then reports the uncompressed prompt length as
 `prompt_tokens_details.original_prompt_tokens`. Without `max_tokens` /
-`max_completion_tokens` a reply runs until EOS, bounded by the model's context.
+`max_completion_tokens` a reply runs until EOS, bounded by the model's context
+(max_tokens = max_model_len - prompt tokens). The messages' text is capped at
+`max_prompt_chars` and templated off the event loop; a non-streaming request is
+cancelled when its client disconnects.
 Streams open with a role-only delta, as OpenAI's do.
 """
 
@@ -35,6 +38,7 @@ from kvmesh.serve.openai.generation import (
     stream_response,
     usage,
 )
+from kvmesh.serve.openai.limits import check_prompt_chars, limits_of, until_disconnected
 from kvmesh.serve.openai.protocol import APIError, ChatMessage, ChatRequest
 
 
@@ -46,23 +50,26 @@ async def chat_completions(body: ChatRequest, request: Request):
     model = check_model(b, body.model)
     if body.max_completion_tokens is not None and body.max_tokens is None:
         body.max_tokens = body.max_completion_tokens
-    ids = b.chat_prompt_ids(body.messages)
+    check_prompt_chars(limits_of(request), sum(len(m.text()) for m in body.messages), "messages")
+    ids = await asyncio.to_thread(b.chat_prompt_ids, body.messages)
     original_tokens = None
     comp = compression_options(body)
     if comp is not None:
         original_tokens = len(ids)
         messages = await compress_messages(body.messages, comp, b.tokenizer)
-        ids = b.chat_prompt_ids(messages)
+        ids = await asyncio.to_thread(b.chat_prompt_ids, messages)
     n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.to_proto(n_logprobs, default_max_tokens=None)
     if body.max_tokens is None:
-        # Until EOS, bounded by the model's context: the worker caps at max_model_len.
-        params.ClearField("max_tokens")
+        # Until EOS, bounded by the model's context (a prompt too long for it is the
+        # router's INVALID_ARGUMENT).
+        context = await b.max_model_len()
+        params.max_tokens = max(1, context - len(ids)) if context else 2**31 - 1
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model}
     req = build_request(cid, ids, params, body)
     if not body.stream:
-        return await _complete(b, body, req, head, original_tokens)
+        return await until_disconnected(request, _complete(b, body, req, head, original_tokens))
     return await stream_response(_events(b, body, req, {**head, "object": "chat.completion.chunk"}, original_tokens))
 
 

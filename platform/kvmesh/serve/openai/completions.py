@@ -5,7 +5,9 @@ A body may carry one prompt (text or token ids) or a batch of them; each becomes
 index. Without `stream` the reply waits for all choices and adds their usage up; with
 `stream` the choices' chunks are interleaved in arrival order as server-sent events,
 followed by the summed usage when `stream_options.include_usage` asks for it.
-`max_tokens` defaults to 16, as in OpenAI's API; `echo` and `suffix` are refused.
+`max_tokens` defaults to 16, as in OpenAI's API; `echo` and `suffix` are refused. A batch
+is capped at `max_prompts_per_request` and each text prompt at `max_prompt_chars`; a
+non-streaming request is cancelled when its client disconnects.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvmesh.serve.openai.generation import (
     sum_usage,
     usage,
 )
+from kvmesh.serve.openai.limits import check_prompt_chars, limits_of, until_disconnected
 from kvmesh.serve.openai.protocol import APIError, CompletionRequest
 
 
@@ -49,9 +52,17 @@ async def completions(body: CompletionRequest, request: Request):
     params = body.to_proto(body.logprobs, default_max_tokens=16)
     cid = f"cmpl-{uuid.uuid4().hex}"
     head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model}
-    reqs = [build_request(f"{cid}-{i}", p, params, body) for i, p in enumerate(body.prompts())]
+    prompts = body.prompts()
+    limits = limits_of(request)
+    if len(prompts) > limits.max_prompts_per_request:
+        raise APIError(400, f"prompt: a batch of {len(prompts)} prompts is over the limit of "
+                            f"{limits.max_prompts_per_request} per request; split it", param="prompt")
+    for p in prompts:
+        if isinstance(p, str):
+            check_prompt_chars(limits, len(p), "prompt")
+    reqs = [build_request(f"{cid}-{i}", p, params, body) for i, p in enumerate(prompts)]
     if not body.stream:
-        return await _complete(b, body, reqs, head)
+        return await until_disconnected(request, _complete(b, body, reqs, head))
     return await stream_response(_events(b, body, reqs, head))
 
 

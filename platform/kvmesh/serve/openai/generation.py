@@ -23,7 +23,7 @@ from kvmesh._proto import llm_pb2
 from kvmesh.compress import CompressionOptions, options_from_openai, options_to_proto
 from kvmesh.errors import InvalidRequestError
 from kvmesh.serve.openai.backend import GrpcBackend
-from kvmesh.serve.openai.protocol import APIError, SamplingFields
+from kvmesh.serve.openai.protocol import HTTP_OF_GRPC, APIError, SamplingFields
 
 
 class BackendSource:
@@ -62,7 +62,7 @@ def compression_options(body: SamplingFields) -> CompressionOptions | None:
 
 def build_request(rid: str, prompt: str | list[int], params: llm_pb2.SamplingParams,
                   body: SamplingFields) -> llm_pb2.GenerateRequest:
-    req = llm_pb2.GenerateRequest(request_id=rid, params=params)
+    req = llm_pb2.GenerateRequest(request_id=rid, params=params, cache_salt=body.cache_salt or "")
     if isinstance(prompt, str):
         req.prompt = prompt
     else:
@@ -112,6 +112,9 @@ def sse(obj: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+# HTTP status of an error event's `code` (APIError.from_grpc names codes after gRPC's).
+_STATUS_OF_CODE = {code.name.lower(): status for code, (status, _) in HTTP_OF_GRPC.items()}
+_STATUS_OF_CODE.update(rate_limit_exceeded=429, unavailable=503)
 
 
 async def stream_response(events: AsyncIterator[str]) -> Response:
@@ -127,11 +130,7 @@ async def stream_response(events: AsyncIterator[str]) -> Response:
     for chunk in first:
         if chunk.startswith('data: {"error"'):
             err = json.loads(chunk[len("data: "):])["error"]
-            status = err.get("code") if isinstance(err.get("code"), int) else None
-            code_name = err.get("code") if isinstance(err.get("code"), str) else None
-            status = status or {"invalid_argument": 400, "not_found": 404, "unavailable": 503,
-                                "deadline_exceeded": 504, "resource_exhausted": 429}.get(code_name or "", 500)
-            return JSONResponse({"error": err}, status_code=status)
+            return JSONResponse({"error": err}, status_code=_STATUS_OF_CODE.get(err.get("code"), 500))
 
     async def body() -> AsyncIterator[str]:
         for chunk in first:

@@ -5,21 +5,27 @@ ones with a non-default value (n > 1, echo, tools, ...) with a 400 that says wha
 change. `APIError` is the OpenAI error `{"error": {"message", "type", "param", "code"}}`
 with its HTTP status; `APIError.from_grpc` maps the router's gRPC status onto it
 (INVALID_ARGUMENT -> 400, UNAVAILABLE -> 503, ...), naming the offending field when
-kvmesh's message starts with it.
+kvmesh's message starts with it; `code` is always a string.
+
+Bodies are checked so that nothing invalid reaches the gRPC layer (where it would be a
+500): integers within the protobuf types' ranges, finite floats (`NaN` / `Infinity`
+are refused, not read as "default"), no lone UTF-16 surrogates in any string, and
+text-only chat content parts whose `text` is a string.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvmesh._proto import llm_pb2
 from kvmesh.errors import KVMeshError
+from kvmesh.rpc.retry_info import retry_after_of
 
-_HTTP_OF_GRPC = {
+HTTP_OF_GRPC = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
@@ -39,34 +45,71 @@ class APIError(KVMeshError):
                  param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers: dict[str, str] = {}  # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code or self.status}}
+                          "code": self.code or _CODE_OF_STATUS.get(self.status, self.type)}}
 
     @classmethod
     def from_grpc(cls, exc: grpc.aio.AioRpcError) -> APIError:
-        status, type_ = _HTTP_OF_GRPC.get(exc.code(), (500, "internal_error"))
+        status, type_ = HTTP_OF_GRPC.get(exc.code(), (500, "internal_error"))
         message = exc.details() or exc.code().name
         # kvmesh's INVALID_ARGUMENT messages start with the field: "max_tokens: must be ..."
         m = re.match(r"([A-Za-z_][\w.]*): ", message) if status == 400 else None
+        retry_after = retry_after_of(exc) if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+        if retry_after is not None:  # the router's per-API-key rate limit (router/ratelimit.py)
+            err = cls(429, message, "rate_limit_exceeded", code="rate_limit_exceeded")
+            err.headers["Retry-After"] = str(retry_after)
+            return err
         return cls(status, message, type_, param=m.group(1) if m else None, code=exc.code().name.lower())
+
+
+_CODE_OF_STATUS = {400: "invalid_request", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found",
+                   405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type",
+                   422: "invalid_request", 429: "rate_limit_exceeded", 499: "cancelled", 500: "internal_error",
+                   503: "unavailable", 504: "timeout"}
+
+# The protobuf types these fields travel as (llm.proto): out of range is a 400 here.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+def _lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The path of the first string holding a lone UTF-16 surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            found = _lone_surrogate_at(k, path) or _lone_surrogate_at(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _lone_surrogate_at(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
 
 
 class SamplingFields(BaseModel):
     """Fields common to completions and chat; unknown fields are ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = Field(None, description="Default 16 (completions) / until EOS (chat).")
+    max_tokens: Int32 | None = Field(None, description="Default 16 (completions) / until EOS (chat).")
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int32] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -82,6 +125,17 @@ class SamplingFields(BaseModel):
     compression: dict[str, Any] | None = Field(
         None, description="kvmesh extension: prompt compression {method, target_ratio} (see kvmesh.compress)."
     )
+    cache_salt: str | None = Field(
+        None, max_length=256, description="Prefix-cache isolation (as vLLM): cached KV is reused only between "
+        "requests with the same salt (within the caller's API key); `cached_tokens` counts only those hits.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        at = _lone_surrogate_at(data)
+        if at is not None:
+            raise ValueError(f"{at}: holds a lone UTF-16 surrogate (e.g. \\ud800); send valid Unicode text")
+        return data
 
     def check_unsupported(self) -> None:
         if self.n != 1:
@@ -114,7 +168,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -131,7 +185,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -144,13 +198,17 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text":
                 raise APIError(400, f"content part of type {part.get('type')!r} is not supported; send text parts",
                                param="messages")
-            parts.append(part.get("text", ""))
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise APIError(400, f"a text content part's text must be a string, got {type(text).__name__}",
+                               param="messages")
+            parts.append(text)
         return "".join(parts)
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None

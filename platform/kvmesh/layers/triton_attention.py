@@ -1,0 +1,302 @@
+"""The `triton` attention backend: paged attention in Triton kernels, for CUDA.
+
+Everything reads the paged KV cache in place through block tables (no gather copy, no
+per-sequence Python loop, no padding of K/V). Per layer and step:
+
+1. `_store_kv`: each token's K/V row goes to `slot_mapping[t]` (a slot < 0 is a padding
+   row of a CUDA-graph bucket and is skipped).
+2. decode tokens (q_len 1, first in the flat batch): `_decode_split`, one program per
+   (sequence, KV head, split of the context). The G = H / KVH query heads sharing a KV head
+   are the rows of one tile, so each K/V row is loaded once per group (GQA). Long contexts
+   are split (split-K, "flash decoding") so a small batch still fills the GPU; each split
+   writes a partial output and its log-sum-exp, merged by `_decode_reduce`. With one split
+   the kernel writes the final output directly.
+3. prefill / extend chunks: `_prefill`, one launch for the whole varlen batch, one program
+   per (sequence, query head, tile of BLOCK_M queries). Keys are read from the cache
+   (cached prefix blocks and this step's rows, written in step 1), causal by position.
+
+Numerics: scores and softmax in float32; the P @ V product in the cache dtype with a float32
+accumulator (float32 models use IEEE float32 dots, not TF32). Rows nobody asked for (padded
+query rows, empty splits) are never stored into the output; a context of length 0 (a padded
+graph row) yields zeros, never NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvmesh.layers.triton_runtime import can_run, dot, next_pow2, num_sms, tl, to_dtype, triton, unavailable_reason
+
+DECODE_BLOCK_N = 64
+MAX_SPLITS = 64
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_vt,
+                  ROW: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            offs = tl.arange(0, BLOCK)
+            m = offs < ROW
+            k = tl.load(k_ptr + t * stride_kt + offs, mask=m)
+            v = tl.load(v_ptr + t * stride_vt + offs, mask=m)
+            tl.store(kc_ptr + slot * ROW + offs, k, mask=m)
+            tl.store(vc_ptr + slot * ROW + offs, v, mask=m)
+
+    @triton.jit
+    def _decode_split(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, o_ptr, mid_ptr, lse_ptr,
+                      scale, split_len, num_splits,
+                      stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb, stride_ot, stride_oh,
+                      BS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.program_id(2)
+        ctx = tl.load(lens_ptr + b)
+        start = s * split_len
+        end = tl.minimum(ctx, start + split_len)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, BLOCK_D)
+        gm = g < G
+        dm = d < D
+        heads = kvh * G + g
+        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=gm[:, None] & dm[None, :], other=0.0)
+        m_i = tl.full([G_PAD], -1e30, tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pm = pos < end
+            blk = tl.load(table_ptr + b * stride_tb + pos // BS, mask=pm, other=0).to(tl.int64)
+            row = blk * stride_cb + (pos % BS) * stride_ct + kvh * stride_ch
+            kv_mask = pm[:, None] & dm[None, :]
+            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            sc = dot(q, tl.trans(k), IEEE)
+            sc = tl.where(pm[None, :], sc * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + dot(to_dtype(p, v.dtype), v, IEEE)
+            m_i = m_new
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        omask = gm[:, None] & dm[None, :]
+        if DIRECT:
+            tl.store(o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     to_dtype(out, o_ptr.dtype.element_ty), mask=omask)
+        else:
+            # mid: (B, H, S, BLOCK_D) float32, lse: (B, H, S) float32, both contiguous
+            row_id = (b * (tl.num_programs(1) * G) + heads) * num_splits + s
+            tl.store(mid_ptr + row_id[:, None] * BLOCK_D + d[None, :], out, mask=omask)
+            tl.store(lse_ptr + row_id, tl.where(empty, float("-inf"), m_i + tl.log(l_i)), mask=gm)
+
+    @triton.jit
+    def _decode_reduce(mid_ptr, lse_ptr, o_ptr, num_splits, stride_ot, stride_oh,
+                       D: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, BLOCK_D)
+        sm = s < num_splits
+        base = (b * tl.num_programs(1) + h) * num_splits
+        lse = tl.load(lse_ptr + base + s, mask=sm, other=float("-inf"))
+        mx = tl.max(lse, 0)
+        w = tl.exp(lse - tl.where(mx == float("-inf"), 0.0, mx))
+        denom = tl.sum(w, 0)
+        part = tl.load(mid_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=sm[:, None], other=0.0)
+        out = tl.sum(w[:, None] * part, 0) / tl.where(denom == 0.0, 1.0, denom)
+        tl.store(o_ptr + b * stride_ot + h * stride_oh + d, to_dtype(out, o_ptr.dtype.element_ty), mask=d < D)
+
+    @triton.jit
+    def _prefill(q_ptr, kc_ptr, vc_ptr, o_ptr, table_ptr, qstart_ptr, qlen_ptr, startpos_ptr, scale,
+                 stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb, stride_ot, stride_oh,
+                 BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        p = tl.program_id(0)
+        h = tl.program_id(1)
+        mt = tl.program_id(2)
+        q_len = tl.load(qlen_ptr + p)
+        if mt * BLOCK_M < q_len:
+            q0 = tl.load(qstart_ptr + p).to(tl.int64)
+            sp = tl.load(startpos_ptr + p)
+            m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+            mm = m < q_len
+            qpos = sp + m
+            d = tl.arange(0, BLOCK_D)
+            dm = d < D
+            q = tl.load(q_ptr + (q0 + m)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                        mask=mm[:, None] & dm[None, :], other=0.0)
+            kvh = h // G
+            hi = sp + tl.minimum(q_len, (mt + 1) * BLOCK_M)  # keys [0, hi) can be seen by this tile
+            m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for n0 in range(0, hi, BLOCK_N):
+                pos = n0 + tl.arange(0, BLOCK_N)
+                pm = pos < hi
+                blk = tl.load(table_ptr + p * stride_tb + pos // BS, mask=pm, other=0).to(tl.int64)
+                row = blk * stride_cb + (pos % BS) * stride_ct + kvh * stride_ch
+                kv_mask = pm[:, None] & dm[None, :]
+                k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                sc = dot(q, tl.trans(k), IEEE)
+                ok = pm[None, :] & (pos[None, :] <= qpos[:, None])
+                sc = tl.where(ok, sc * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, 1))
+                pr = tl.exp(sc - m_new[:, None])
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(pr, 1)
+                v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                acc = acc * alpha[:, None] + dot(to_dtype(pr, v.dtype), v, IEEE)
+                m_i = m_new
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(o_ptr + (q0 + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                     to_dtype(out, o_ptr.dtype.element_ty), mask=mm[:, None] & dm[None, :])
+
+
+def decode_split_plan(batch: int, kv_heads: int, max_ctx: int, sms: int,
+                      block_n: int = DECODE_BLOCK_N) -> tuple[int, int]:
+    """(num_splits, split_len) for a decode batch whose longest context is `max_ctx`.
+
+    Enough (sequence, KV head, split) programs for about two waves over the SMs, but at
+    least two key tiles per split (a split's fixed cost is its partial output's write
+    and merge). split_len is a multiple of block_n; splits past a context are empty.
+    """
+    want = -(-2 * sms // max(batch * kv_heads, 1))
+    by_len = max(-(-max_ctx // (2 * block_n)), 1)
+    splits = max(1, min(want, by_len, MAX_SPLITS))
+    split_len = -(-max(-(-max_ctx // splits), 1) // block_n) * block_n
+    return -(-max_ctx // split_len) if max_ctx > 0 else 1, split_len
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64; a negative slot is a padding row (not written)
+    # Decodes (q_len == 1) come first in the flat batch: tokens [0, num_decodes).
+    num_decodes: int
+    decode_block_table: torch.Tensor | None  # (Bd, max_blocks) int32, padded with block 0
+    decode_context_lens: torch.Tensor | None  # (Bd,) int32; 0 for a padding row
+    # Upper bound of the decode contexts: fixes the split-K plan (a CUDA graph's stays
+    # valid for every replay because its bound is max_model_len).
+    max_decode_ctx: int
+    # Prefill / extend chunks, all in one launch: per chunk its first row in the flat
+    # batch, its length, its first position and its block table row.
+    num_prefills: int = 0
+    prefill_block_table: torch.Tensor | None = None  # (P, max_blocks) int32
+    prefill_q_start: torch.Tensor | None = None  # (P,) int32
+    prefill_q_len: torch.Tensor | None = None  # (P,) int32
+    prefill_start_pos: torch.Tensor | None = None  # (P,) int32
+    max_prefill_len: int = 0
+    # Split-K partials, allocated on first use and shared by every layer of the step.
+    scratch: dict = field(default_factory=dict)
+
+
+def _table(spans, block_size: int) -> np.ndarray:
+    nblk = max(max(-(-s.ctx_len // block_size) for s in spans), 1)
+    table = np.zeros((len(spans), nblk), dtype=np.int32)
+    for i, s in enumerate(spans):
+        n = -(-s.ctx_len // block_size)
+        table[i, :n] = s.block_ids[:n]
+    return table
+
+
+class TritonAttentionBackend:
+    """Paged attention in Triton kernels (see the module docstring)."""
+
+    supports_cuda_graphs = True
+
+    def __init__(self, block_size: int, device: torch.device):
+        if not can_run(device):
+            raise ValueError(f"attention backend 'triton': {unavailable_reason(device)}")
+        self.block_size = block_size
+        self.device = device
+        self.num_sms = num_sms(device)
+
+    def _to(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def build_metadata(self, spans, num_decodes: int) -> TritonAttentionMetadata:
+        bs = self.block_size
+        slots = []
+        for s in spans:
+            pos = np.arange(s.start_pos, s.ctx_len)
+            table = np.asarray(s.block_ids, dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        meta = TritonAttentionMetadata(self._to(np.concatenate(slots)), num_decodes, None, None, 0)
+        if num_decodes:
+            dec = spans[:num_decodes]
+            meta.max_decode_ctx = max(s.ctx_len for s in dec)
+            meta.decode_block_table = self._to(_table(dec, bs))
+            meta.decode_context_lens = self._to(np.array([s.ctx_len for s in dec], dtype=np.int32))
+        prefills = spans[num_decodes:]
+        if prefills:
+            meta.num_prefills = len(prefills)
+            meta.prefill_block_table = self._to(_table(prefills, bs))
+            meta.prefill_q_start = self._to(np.array([s.q_start for s in prefills], dtype=np.int32))
+            meta.prefill_q_len = self._to(np.array([s.q_len for s in prefills], dtype=np.int32))
+            meta.prefill_start_pos = self._to(np.array([s.start_pos for s in prefills], dtype=np.int32))
+            meta.max_prefill_len = max(s.q_len for s in prefills)
+        return meta
+
+    def graph_metadata(self, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                       context_lens: torch.Tensor, max_ctx: int) -> TritonAttentionMetadata:
+        """Decode-only metadata over caller-owned (static) buffers, for CUDA-graph capture:
+        the split plan is fixed for contexts up to `max_ctx`, so any replay is valid."""
+        return TritonAttentionMetadata(slot_mapping, block_table.shape[0], block_table, context_lens, max_ctx)
+
+    def forward(self, q, k, v, kv_cache, meta: TritonAttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D), into `out` when given."""
+        k_cache, v_cache = kv_cache
+        t, h, d = q.shape
+        nb, bs, kvh, _ = k_cache.shape
+        if k.stride(-1) != 1 or k.stride(-2) != d or v.stride(-1) != 1 or v.stride(-2) != d:
+            k, v = k.contiguous(), v.contiguous()
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        row = kvh * d
+        _store_kv[(t,)](k, v, k_cache, v_cache, meta.slot_mapping, k.stride(0), v.stride(0),
+                        ROW=row, BLOCK=next_pow2(row))
+        out = torch.empty_like(q) if out is None else out
+        ieee = q.dtype == torch.float32
+        block_d = max(next_pow2(d), 16)
+        strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        nd = meta.num_decodes
+        if nd:
+            g = h // kvh
+            s, split_len = decode_split_plan(nd, kvh, meta.max_decode_ctx, self.num_sms)
+            if s > 1:
+                key = (nd, h, s, block_d)
+                mid, lse = meta.scratch.get(key, (None, None))
+                if mid is None:
+                    mid = torch.empty((nd, h, s, block_d), dtype=torch.float32, device=q.device)
+                    lse = torch.empty((nd, h, s), dtype=torch.float32, device=q.device)
+                    meta.scratch[key] = (mid, lse)
+            else:
+                mid = lse = out  # unused: the kernel writes the output directly
+            _decode_split[(nd, kvh, s)](
+                q, k_cache, v_cache, meta.decode_block_table, meta.decode_context_lens, out, mid, lse,
+                scale, split_len, s, q.stride(0), q.stride(1), *strides,
+                meta.decode_block_table.stride(0), out.stride(0), out.stride(1),
+                BS=bs, G=g, G_PAD=max(next_pow2(g), 16), D=d, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N,
+                DIRECT=s == 1, IEEE=ieee)
+            if s > 1:
+                _decode_reduce[(nd, h)](mid, lse, out, s, out.stride(0), out.stride(1),
+                                        D=d, BLOCK_D=block_d, S_PAD=max(next_pow2(s), 2))
+        if meta.num_prefills:
+            block_m = 64 if q.element_size() <= 2 else 32
+            block_m = min(block_m, max(next_pow2(meta.max_prefill_len), 16))
+            grid = (meta.num_prefills, h, -(-meta.max_prefill_len // block_m))
+            _prefill[grid](
+                q, k_cache, v_cache, out, meta.prefill_block_table, meta.prefill_q_start, meta.prefill_q_len,
+                meta.prefill_start_pos, scale, q.stride(0), q.stride(1), *strides,
+                meta.prefill_block_table.stride(0), out.stride(0), out.stride(1),
+                BS=bs, G=h // kvh, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32, IEEE=ieee)
+        return out

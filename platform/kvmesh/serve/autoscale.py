@@ -1,0 +1,139 @@
+"""Ray Serve autoscaling on kvmesh's own signals: the glue between Ray Serve's custom
+autoscaling policy API and the pure policy in `kvmesh.router.autoscale`.
+
+Ray Serve's default policy counts requests that pass through Ray; kvmesh's requests are
+gRPC streams from the router to the workers, which Ray never sees. Instead:
+
+1. every worker replica reports custom autoscaling metrics (Ray Serve calls the
+   deployment's `record_autoscaling_stats`; `replica_metrics` builds the dict): waiting
+   requests, KV usage, and the p90 TTFT / TPOT of the requests it finished in the last
+   `LatencyWindow.window_s` (engine-side: queueing + prefill, decode steps);
+2. Ray's controller averages each metric over `look_back_period_s` per replica and calls
+   `KvmeshAutoscalingPolicy` (named in the deployment's `autoscaling_config.policy`),
+   which folds the replicas into one `ScaleSignals` for the role (prefill replicas answer
+   for TTFT, decode for TPOT and KV room, unified for both) and returns
+   `desired_replicas` against the config's SLO;
+3. Ray applies min / max replicas and the upscale / downscale delays (the hysteresis)
+   as it does for its own policy.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvmesh.router.autoscale import SLO, ScalePolicy, ScaleSignals, desired_replicas
+
+POLICY_IMPORT_PATH = "kvmesh.serve.autoscale:KvmeshAutoscalingPolicy"
+QUEUE = "kvmesh_queue_depth"
+KV_USAGE = "kvmesh_kv_usage"
+TTFT_P90 = "kvmesh_ttft_p90_s"
+TPOT_P90 = "kvmesh_tpot_p90_s"
+_NONE = -1.0  # metric value for "no request finished in the window" (Ray metrics are numbers)
+
+
+class LatencyWindow:
+    """TTFT and TPOT of the requests a worker finished recently (engine-side)."""
+
+    def __init__(self, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self._clock = clock
+        self._ttft: collections.deque[tuple[float, float]] = collections.deque()
+        self._tpot: collections.deque[tuple[float, float]] = collections.deque()
+        self._lock = threading.Lock()  # the engine's step thread writes, Ray's metrics call reads
+
+    def observe(self, outputs: Iterable[Any]) -> None:
+        """Record the finished ones of an engine step's RequestOutputs (their metrics hold
+        ttft_s and e2e_s; TPOT = (e2e - ttft) / (tokens - 1))."""
+        now = self._clock()
+        for out in outputs:
+            if not out.finished or "e2e_s" not in out.metrics:
+                continue
+            ttft, e2e = out.metrics["ttft_s"], out.metrics["e2e_s"]
+            n = len(out.outputs[0].token_ids) if out.outputs else 0
+            with self._lock:
+                self._ttft.append((now, ttft))
+                if n > 1:
+                    self._tpot.append((now, (e2e - ttft) / (n - 1)))
+
+    def p90(self) -> tuple[float | None, float | None]:
+        """(TTFT p90, TPOT p90) over the window; None where nothing finished."""
+        cutoff = self._clock() - self.window_s
+        out = []
+        with self._lock:
+            for q in (self._ttft, self._tpot):
+                while q and q[0][0] < cutoff:
+                    q.popleft()
+                out.append(_p90([v for _, v in q]))
+        return out[0], out[1]
+
+    def wrap(self, step: Callable[[], list]) -> Callable[[], list]:
+        """`step` (an engine's) that also observes its outputs."""
+        def observed_step() -> list:
+            outputs = step()
+            self.observe(outputs)
+            return outputs
+        return observed_step
+
+
+def _p90(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(0.9 * len(s)) - 1))]
+
+
+def replica_metrics(stats: dict[str, Any], latency: LatencyWindow) -> dict[str, float]:
+    """One worker replica's custom autoscaling metrics, from its engine's stats()."""
+    ttft, tpot = latency.p90()
+    return {QUEUE: float(stats.get("num_waiting", 0)), KV_USAGE: float(stats.get("kv_usage", 0.0)),
+            TTFT_P90: _NONE if ttft is None else ttft, TPOT_P90: _NONE if tpot is None else tpot}
+
+
+def role_signals(role: str, replicas: int, metrics: dict[str, dict[Any, float]]) -> ScaleSignals:
+    """Fold per-replica metrics (name -> replica -> value, Ray's aggregated_metrics) into
+    the role's signals: queues summed, KV usage averaged, latency the worst replica's p90."""
+    def values(name: str) -> list[float]:
+        return list((metrics.get(name) or {}).values())
+
+    kv = values(KV_USAGE)
+    ttft = [v for v in values(TTFT_P90) if v >= 0]
+    tpot = [v for v in values(TPOT_P90) if v >= 0]
+    return ScaleSignals(role, replicas, int(round(sum(values(QUEUE)))), sum(kv) / len(kv) if kv else 0.0,
+                        max(ttft) if ttft else None, max(tpot) if tpot else None)
+
+
+class KvmeshAutoscalingPolicy:
+    """Ray Serve custom autoscaling policy (a class: Ray builds it once per deployment with
+    the policy's `policy_kwargs` and calls it with an AutoscalingContext every tick)."""
+
+    def __init__(self, role: str, ttft_s: float, tpot_s: float, target_queue_per_replica: float = 4.0,
+                 kv_usage_high: float = 0.9, slo_headroom: float = 0.8, scale_down_below: float = 0.4,
+                 max_growth: float = 2.0):
+        if role not in ("prefill", "decode", "unified"):
+            raise ValueError(f"role must be prefill, decode or unified, got {role!r}")
+        self.role = role
+        self.slo = SLO(ttft_s, tpot_s)
+        self.knobs = dict(target_queue_per_replica=target_queue_per_replica, kv_usage_high=kv_usage_high,
+                          slo_headroom=slo_headroom, scale_down_below=scale_down_below, max_growth=max_growth)
+
+    def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
+        replicas = ctx.current_num_replicas
+        if replicas == 0:  # nothing reports: start the minimum (Ray's cold start does the rest)
+            return ctx.target_num_replicas, {}
+        signals = role_signals(self.role, replicas, ctx.aggregated_metrics or {})
+        policy = ScalePolicy(min_replicas=ctx.capacity_adjusted_min_replicas,
+                             max_replicas=max(ctx.capacity_adjusted_max_replicas, ctx.capacity_adjusted_min_replicas),
+                             **self.knobs)
+        want = desired_replicas(signals, self.slo, policy)
+        return want, {"kvmesh_signals": signals.__dict__, "kvmesh_desired": want}
+
+
+def policy_config(role: str, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
+    """The `autoscaling_config.policy` entry of a worker deployment."""
+    return {"policy_function": POLICY_IMPORT_PATH,
+            "policy_kwargs": {"role": role, "ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}}

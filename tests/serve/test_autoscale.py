@@ -1,0 +1,118 @@
+"""The Ray Serve glue of kvmesh's SLO autoscaling (kvmesh.serve.autoscale), against Ray
+Serve's own config and policy machinery (no cluster: the controller's policy wrapper is
+called directly) and a real engine's step outputs."""
+
+from __future__ import annotations
+
+import pytest
+from ray.serve._private.autoscaling_state import _resolve_policy_callable
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.autoscaling_policy import _apply_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from kvmesh.build import build_engine
+from kvmesh.config import EngineConfig
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.serve.autoscale import (
+    KV_USAGE,
+    QUEUE,
+    TPOT_P90,
+    TTFT_P90,
+    KvmeshAutoscalingPolicy,
+    LatencyWindow,
+    replica_metrics,
+    role_signals,
+)
+from kvmesh.serve.config import ServingConfig
+
+DEP = DeploymentID(name="decode", app_name="kvmesh")
+
+
+def _replicas(n: int) -> list[ReplicaID]:
+    return [ReplicaID(unique_id=f"r{i}", deployment_id=DEP) for i in range(n)]
+
+
+def _ctx(config: AutoscalingConfig, replicas: int, per_replica: dict[str, float], now: float,
+         state: dict | None = None) -> AutoscalingContext:
+    ids = _replicas(replicas)
+    return AutoscalingContext(
+        deployment_id=DEP, deployment_name="decode", app_name="kvmesh", current_num_replicas=replicas,
+        target_num_replicas=replicas, running_replicas=ids, total_num_requests=0.0, total_queued_requests=0.0,
+        aggregated_metrics={k: {r: v for r in ids} for k, v in per_replica.items()}, raw_metrics={},
+        capacity_adjusted_min_replicas=config.min_replicas, capacity_adjusted_max_replicas=config.max_replicas,
+        policy_state=state or {}, last_scale_up_time=None, last_scale_down_time=None, current_time=now,
+        config=config)
+
+
+def _decode_config(**autoscaling) -> AutoscalingConfig:
+    cfg = ServingConfig.model_validate({
+        "prefill": {"replicas": 1},
+        "decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 0,
+                                   "downscale_delay_s": 0, **autoscaling}},
+        "slo": {"ttft_s": 1.0, "tpot_s": 0.05}})
+    (dec,) = [d for d in cfg.deployment_overrides() if d["name"] == "decode"]
+    return AutoscalingConfig(**dec["autoscaling_config"])
+
+
+def test_worker_roles_get_the_kvmesh_policy_router_keeps_rays():
+    cfg = ServingConfig.model_validate({
+        "router": {"autoscaling": {"min_replicas": 1, "max_replicas": 2}},
+        "decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 2}},
+        "slo": {"ttft_s": 1.5, "tpot_s": 0.07}})
+    by_name = {d["name"]: d["autoscaling_config"] for d in cfg.deployment_overrides()}
+    assert by_name["unified"]["policy"] == {"policy_function": "kvmesh.serve.autoscale:KvmeshAutoscalingPolicy",
+                                            "policy_kwargs": {"role": "unified", "ttft_s": 1.5, "tpot_s": 0.07}}
+    assert "policy" not in by_name["router"]
+    ray_default = ServingConfig.model_validate(
+        {"decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 2, "signals": "ongoing_requests"}}})
+    assert "policy" not in ray_default.deployment_overrides()[1]["autoscaling_config"]
+    # Ray accepts it: the import path resolves and the class is built with the kwargs.
+    policy = _resolve_policy_callable(_decode_config().policy)
+    assert isinstance(policy, KvmeshAutoscalingPolicy)
+    assert (policy.role, policy.slo.ttft_s, policy.slo.tpot_s) == ("decode", 1.0, 0.05)
+
+
+def test_decode_scales_up_on_tpot_over_slo_then_back_down_through_rays_wrapper():
+    config = _decode_config()
+    policy = _apply_autoscaling_config(_resolve_policy_callable(config.policy))
+    hot = {QUEUE: 0.0, KV_USAGE: 0.3, TTFT_P90: 0.2, TPOT_P90: 0.08}  # TPOT 0.08 > 0.05 * 0.8
+    want, state = policy(_ctx(config, 1, hot, now=100.0))
+    assert want == 2
+    want, state = policy(_ctx(config, 2, hot, now=101.0, state=state))
+    assert want == 3  # still over: grows again, clamped to max_replicas
+    assert policy(_ctx(config, 3, hot, now=102.0, state=state))[0] == 3
+    idle = {QUEUE: 0.0, KV_USAGE: 0.05, TTFT_P90: -1.0, TPOT_P90: -1.0}  # nothing finished lately
+    want, state = policy(_ctx(config, 3, idle, now=103.0, state=state))
+    assert want == 2  # one at a time
+    assert policy(_ctx(config, 1, idle, now=104.0, state=state))[0] == 1  # min_replicas holds
+
+
+def test_queue_and_kv_pressure_scale_without_latency_samples():
+    sig = role_signals("decode", 2, {QUEUE: {"a": 9.0, "b": 8.0}, KV_USAGE: {"a": 0.5, "b": 0.7},
+                                     TTFT_P90: {"a": -1.0, "b": -1.0}, TPOT_P90: {"a": -1.0, "b": 0.04}})
+    assert (sig.queue_depth, sig.kv_usage, sig.ttft_p90_s, sig.tpot_p90_s) == (17, pytest.approx(0.6), None, 0.04)
+    config = _decode_config(max_replicas=8)
+    policy = _apply_autoscaling_config(_resolve_policy_callable(config.policy))
+    # 17 waiting over 2 replicas at 4 per replica: pressure 2.1 -> double (max_growth 2).
+    want, _ = policy(_ctx(config, 2, {QUEUE: 8.5, KV_USAGE: 0.6, TTFT_P90: -1.0, TPOT_P90: -1.0}, now=5.0))
+    assert want == 4
+    want, _ = policy(_ctx(config, 2, {QUEUE: 0.0, KV_USAGE: 0.99, TTFT_P90: -1.0, TPOT_P90: -1.0}, now=6.0))
+    assert want == 3  # KV almost full: 0.99 / 0.9 = 1.1x
+
+
+def test_latency_window_reads_a_real_engines_finished_requests(tiny_llama):
+    engine = build_engine(EngineConfig.model_validate(
+        {"model": {"model": str(tiny_llama)}, "cache": {"block_size": 4, "num_blocks": 64}}))
+    now = [0.0]
+    window = LatencyWindow(window_s=10.0, clock=lambda: now[0])
+    engine.step = window.wrap(engine.step)
+    assert replica_metrics(engine.stats(), window)[TTFT_P90] == -1.0
+    for i in range(3):
+        engine.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    m = replica_metrics(engine.stats(), window)
+    assert m[QUEUE] == 0.0 and 0.0 <= m[KV_USAGE] < 1.0
+    assert 0.0 < m[TTFT_P90] and 0.0 < m[TPOT_P90]
+    now[0] = 11.0  # the samples age out of the window
+    assert window.p90() == (None, None)
