@@ -174,9 +174,10 @@ def summarize(rows: dict[str, dict], questions: int) -> dict[str, dict]:
 def run(args, load_start: list[float]) -> dict:
     """Every question under every condition; `load_start` is the load before the run began."""
     import torch
+    from tqdm import tqdm
+
     from kvmesh import LLM, SamplingParams
     from kvmesh.compress import compress_prompt, get_compressor
-    from tqdm import tqdm
 
     torch.set_num_threads(args.threads)
     corpus = load_corpus()

@@ -255,8 +255,9 @@ def run_config(args, workload: Workload) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    import kvmesh
     import transformers
+
+    import kvmesh
     from kvmesh import LLM, SamplingParams
 
     load_start = load_snapshot()

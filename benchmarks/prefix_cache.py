@@ -27,8 +27,9 @@ import subprocess
 import time
 
 import torch
-from kvmesh import LLM, SamplingParams
 from tqdm import tqdm
+
+from kvmesh import LLM, SamplingParams
 
 from _common import RESULTS_DIR, check_idle, first_output, loadavg, write_results
 

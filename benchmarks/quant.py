@@ -94,6 +94,7 @@ def _prefill(llm, prompt_len: int, run: int = 0) -> float:
 def run_one(name: str, smoke: bool, threads: int, repeats: int = 5) -> dict:
     """Child process: everything for one method, as a JSON-able dict."""
     import torch
+
     from kvmesh import LLM, SamplingParams
     from kvmesh.quant.loader import weight_bytes
     from kvmesh.quant.quality import eval_tokens, perplexity

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+
 from kvmesh._proto import llm_pb2, llm_pb2_grpc, worker_pb2_grpc
 from kvmesh.serve.local import Child, spawn, stop, wait_ready
 

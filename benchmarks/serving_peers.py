@@ -96,7 +96,7 @@ def start_server(name: str, model_dir: Path, port: int, grpc_port: int, log: Pat
     elif name == "vllm":
         env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4")
         cmd = [str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", str(model_dir), "--served-model-name", "kvmesh",
-               "--dtype", "float32", "--port", str(port), "--max-model-len", "2048", "--disable-log-requests"]
+               "--dtype", "float32", "--port", str(port), "--max-model-len", "2048"]
     else:
         raise ValueError(name)
     fh = open(log, "w")

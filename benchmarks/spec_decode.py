@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 
 import torch
-from kvmesh import LLM, SamplingParams
 from tqdm import tqdm
+
+from kvmesh import LLM, SamplingParams
 
 from _common import RESULTS_DIR, check_idle, loadavg, md_table, write_results
 

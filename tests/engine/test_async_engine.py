@@ -8,7 +8,6 @@ import torch
 from kvmesh.build import build_engine
 from kvmesh import InvalidRequestError, SamplingParams
 from kvmesh.engine.async_engine import AsyncLLMEngine
-from kvmesh.engine.engine import LLMEngine
 
 
 @pytest.fixture(scope="module")

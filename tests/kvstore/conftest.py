@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 
 import pytest
 

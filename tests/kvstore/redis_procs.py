@@ -7,6 +7,8 @@ import socket
 import subprocess
 import time
 
+import pytest
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvmesh.layers import cpu_kernels
 from kvmesh.layers.attention import BACKENDS, SeqSpan, get_attention_backend

@@ -8,7 +8,6 @@ import torch
 from helpers import assert_logits_close, hf_greedy, hf_step_logits, run_collecting_logits
 from kvmesh.build import build_engine
 from kvmesh import SamplingParams
-from kvmesh.engine.engine import LLMEngine
 
 MAX_NEW = 10
 

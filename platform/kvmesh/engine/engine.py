@@ -3,6 +3,10 @@
 Requests enter with `add_request` (validated and tokenized here, so bad input fails
 before it touches the scheduler), progress one step at a time, and leave when they
 stop, hit a limit or are aborted; their KV blocks go back to the pool either way.
+
+At ~400 lines on purpose: request intake, the step with its failure isolation,
+speculation policy, output assembly and pinned prompts all drive the same scheduler
+and output state; the pin quota's bookkeeping lives in engine/prompt_cache.py.
 """
 
 from __future__ import annotations

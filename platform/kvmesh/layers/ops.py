@@ -7,9 +7,19 @@ parallelizes across the k slices. For tall inputs (prefill chunks) the split is
 applied on the weight-transposed side, which is on par with or faster than
 `F.linear`. Numerics are those of a plain matmul (different summation tiling only).
 See benchmarks/README.md for the measurements.
+
+`Linear` on CPU runs tall inputs (prefill chunks, M > SKINNY_ROWS) through oneDNN with
+the weight reordered once into oneDNN's blocked layout (what vLLM's CPU backend does
+with its `onednn_mm` handles): measured ~2x the GFLOP/s of MKL's sgemm or the bmm split
+on prefill-shaped GEMMs here. The reordered copy is made on the first tall forward and
+dropped whenever the module is moved or cast; it doubles the weight memory of the
+dense layers (decode keeps reading the plain weight). Set KVMESH_ONEDNN_LINEAR=0 to
+turn it off.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +56,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
+_ONEDNN = (os.environ.get("KVMESH_ONEDNN_LINEAR", "1") != "0" and torch.backends.mkldnn.is_available()
+           and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+# Weight dtypes oneDNN's packed linear serves here (bf16 needs AVX512-BF16 / AMX to pay).
+_ONEDNN_DTYPES = {torch.float32}
+
+
+def onednn_usable(weight: torch.Tensor) -> bool:
+    return _ONEDNN and weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES
+
+
 class Linear(torch.nn.Linear):
-    """nn.Linear whose forward uses `linear` above (same parameters and state dict)."""
+    """nn.Linear whose forward uses `linear` above (same parameters and state dict), and
+    oneDNN with a reordered weight for tall CPU inputs."""
+
+    _packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] > SKINNY_ROWS and onednn_usable(self.weight):
+            if self._packed is None:
+                with torch.no_grad():
+                    self._packed = self.weight.detach().to_mkldnn()
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
+
+    def _apply(self, fn, recurse: bool = True):
+        self._packed = None  # moved or cast: repack from the new weight on first use
+        return super()._apply(fn, recurse)
+
+    def invalidate(self) -> None:
+        """Drop the reordered weight after editing `weight` in place."""
+        self._packed = None

@@ -21,6 +21,9 @@ changes them and they are a fifth of a small model's parameters. Data order is a
 function of (seed, step) alone, and checkpoints hold weights, optimizer, scheduler,
 step and every RNG state, so a resumed run ends with the same weights as an
 uninterrupted one.
+
+One file (~400 lines) because the loss, the teacher cache and the training loop share
+the same window and layer-mapping state.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ from kvmesh.worker.kv_transfer import (
     make_layout,
     pull_kv,
 )
+from kvmesh.worker.stats import WorkerCounters, stats_response
 
 logger = logging.getLogger(__name__)
 
@@ -76,24 +77,6 @@ class WorkerServerConfig(BaseModel):
                               "this port; 0 = off (the router's /metrics covers every worker anyway).")
 
 
-class _Counters:
-    def __init__(self) -> None:
-        self.requests = self.prompt_tokens = self.cached_prompt_tokens = 0
-        self.kv_sent_blocks = self.kv_sent_bytes = 0
-        self.kv_received_blocks = self.kv_received_bytes = 0
-        self.kv_pull_failures = self.transfers_expired = 0
-        self.cached_local = self.cached_store = self.cached_transfer = 0
-
-    def count_finished(self, out: RequestOutput, sources: tuple[int, int, int]) -> None:
-        self.requests += 1
-        self.prompt_tokens += len(out.prompt_token_ids)
-        self.cached_prompt_tokens += out.num_cached_tokens
-        local, store, transfer = sources
-        self.cached_local += local
-        self.cached_store += store
-        self.cached_transfer += transfer
-
-
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """`loader` must be (part of) the engine's KV loader chain: Decode stages pulled KV
     there; `cache_sources` (the chain's outer end) says where reused KV came from."""
@@ -109,7 +92,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.transfers = TransferTable(config.transfer_ttl_s)
         self.loader = loader
         self.cache_sources = cache_sources
-        self.counters = _Counters()
+        self.counters = WorkerCounters()
         self._channels: dict[str, grpc.aio.Channel] = {}
         # Stored / evicted block hashes, sent to routers that ask in Stats (their exact index).
         self.kv_events = KVEventLog(self.engine.kv_manager.pool)
@@ -346,31 +329,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def stats_now(self, max_block_hashes: int = 0) -> worker_pb2.StatsResponse:
         """This worker's Stats; reads the engine, so only between steps (run_between_steps)."""
-        eng = self.engine
-        stats, hashes = eng.stats(), eng.kv_manager.pool.cached_block_hashes(max_block_hashes)
-        spec = eng.config.speculative
-        c = self.counters
-        return worker_pb2.StatsResponse(
-            role=self.config.role, address=self.address, model_id=self.config.model_id,
-            model_fingerprint=eng.fingerprint, block_size=eng.config.cache.block_size,
-            max_model_len=eng.max_model_len, num_waiting=int(stats["num_waiting"]),
-            num_running=int(stats["num_running"]), num_free_blocks=int(stats["num_free_blocks"]),
-            num_usable_blocks=int(stats["num_usable_blocks"]), num_held_transfers=len(self.transfers),
-            requests_total=c.requests, prompt_tokens_total=c.prompt_tokens,
-            cached_prompt_tokens_total=c.cached_prompt_tokens,
-            kv_sent_blocks=c.kv_sent_blocks, kv_sent_bytes=c.kv_sent_bytes,
-            kv_received_blocks=c.kv_received_blocks, kv_received_bytes=c.kv_received_bytes,
-            kv_loaded_tokens=self.loader.loaded_tokens, kv_pull_failures=c.kv_pull_failures,
-            transfers_expired=c.transfers_expired, cached_block_hashes=hashes,
-            num_preemptions=int(stats["num_preemptions"]), cached_prompt_tokens_local=c.cached_local,
-            cached_prompt_tokens_store=c.cached_store, cached_prompt_tokens_transfer=c.cached_transfer,
-            kv_store_bytes_read=int(stats.get("kvstore_bytes_read", 0)),
-            kv_store_bytes_written=int(stats.get("kvstore_bytes_written", 0)),
-            spec_method=str(stats.get("spec_method", "")),
-            num_speculative_tokens=spec.num_speculative_tokens if spec is not None and "spec_method" in stats else 0,
-            spec_proposed_tokens=int(stats.get("spec_proposed_tokens", 0)),
-            spec_accepted_tokens=int(stats.get("spec_accepted_tokens", 0)),
-        )
+        return stats_response(self.engine, self.config.role, self.address, self.config.model_id, self.counters,
+                              len(self.transfers), self.loader.loaded_tokens, max_block_hashes)
 
 
 class WorkerServer:
