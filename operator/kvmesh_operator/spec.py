@@ -70,7 +70,7 @@ class ModelSpec(_Spec):
         "Unset serves the embedded SmolLM2-135M-Instruct.")
     name: str | None = Field(None, min_length=1, description="Model name clients send (OpenAI `model`); "
                              "defaults to the LLMService name.")
-    dtype: Literal["float32", "bfloat16", "float16"] = _mirror(ModelConfig, "dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _mirror(ModelConfig, "dtype")
     quantization: Literal["int8", "int4"] | None = _mirror(ModelConfig, "quantization")
     draft: DraftSpec | None = Field(None, description="Speculative decoding; unset = off.")
 

@@ -30,6 +30,7 @@ from kvmesh.quant.loader import load_model, quantization_id
 from kvmesh.rpc.internal_auth import InternalAuth
 from kvmesh.telemetry.workers import CacheSourceTracker
 from kvmesh.worker.executor import Executor, Proposer
+from kvmesh.worker.gpu_kv_transfer import GpuTransport, build_gpu_kv
 from kvmesh.worker.kv_connector import StoreConnector
 from kvmesh.worker.kv_transfer import PulledKVLoader
 from kvmesh.worker.model_runner import DTYPES, KVCacheSpec, ModelRunner
@@ -37,6 +38,8 @@ from kvmesh.worker.server import WorkerServer, WorkerServerConfig
 from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
 
 logger = logging.getLogger(__name__)
+
+_GPU_STAGING_MAX_BYTES = 512 << 20  # taken after the KV cache, out of its headroom
 
 
 @dataclass
@@ -63,7 +66,8 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
         raise ConfigError("model.device: CUDA requested but torch sees no GPU; use --device cpu")
     path = resolve_model_path(mc.model, progress=progress)
     tokenizer = load_tokenizer(path if mc.tokenizer is None else resolve_model_path(mc.tokenizer))
-    dtype = DTYPES[mc.dtype]
+    dtype_name = resolve_dtype(mc.dtype, device)
+    dtype = DTYPES[dtype_name]
     arch = load_arch_config(path)
     limit = arch.max_position_embeddings
     if arch.sliding_window:
@@ -88,7 +92,7 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
             )
         max_model_len = capacity
     fingerprint = model_fingerprint(
-        path, {"dtype": mc.dtype, "block_size": cc.block_size,
+        path, {"dtype": dtype_name, "block_size": cc.block_size,
                "quantization": quantization_id(path, mc.quantization, mc.quantization_group_size)}
     )
     graph_batch = min(config.cuda_graph_max_batch_size, config.scheduler.max_num_seqs) if config.cuda_graphs else 0
@@ -101,7 +105,7 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     connector = None
     if config.kv_store:
         # KVMESH_KV_HMAC_KEY set: blocks in the shared store are authenticated (kvstore/codec.py).
-        codec = BlockCodec(fingerprint, mc.dtype, cc.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim,
+        codec = BlockCodec(fingerprint, dtype_name, cc.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim,
                            mac_key=load_mac_key())
         connector = StoreConnector(create_store(config.kv_store), codec, runner, config.kv_store_ttl_s)
     info = ModelInfo(path=str(path), fingerprint=fingerprint, vocab_size=arch.vocab_size,
@@ -123,17 +127,41 @@ def build_async_engine(config: EngineConfig | None = None, progress: bool = True
 
 
 def build_worker(config: EngineConfig | None, server_config: WorkerServerConfig | None = None,
-                 progress: bool = False, auth: InternalAuth | None = None) -> WorkerServer:
+                 progress: bool = False, auth: InternalAuth | None = None,
+                 gpu_transports: list[GpuTransport] | None = None, gpu_node: str | None = None) -> WorkerServer:
     """A gRPC worker (not started; call it on the event loop that will run it). Its
     engine's KV loader is a chain: KV pulled from a
     prefill worker if staged for the request, else the shared store; a tracker notes
-    which source served each request (cache-source metrics)."""
+    which source served each request (cache-source metrics).
+
+    P/D KV moves device to device by the transports this machine has (CUDA IPC and NCCL
+    through cupy on a CUDA device; none on CPU: bytes over gRPC); `gpu_transports` and
+    `gpu_node` replace those transports and this machine's node id (tests, embedders)."""
     parts = build_parts(config, progress)
+    runner = parts.executor.runner
+    gpu_source, gpu_sink = build_gpu_kv(runner, _staging_bytes(parts), gpu_transports, gpu_node)
     pulled = PulledKVLoader(parts.executor.runner, parts.config.cache.block_size, inner=parts.connector)
     sources = CacheSourceTracker(pulled)
     engine = _warm(LLMEngine(parts.config, parts.executor, parts.tokenizer, parts.info,
                              kv_loader=sources, kv_connector=parts.connector))
-    return WorkerServer(AsyncLLMEngine(engine), server_config or WorkerServerConfig(), pulled, sources, auth)
+    return WorkerServer(AsyncLLMEngine(engine), server_config or WorkerServerConfig(), pulled, sources, auth,
+                        gpu_source, gpu_sink)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """ModelConfig.dtype with "auto" resolved: bfloat16 on CUDA, float32 elsewhere (exact
+    against transformers on CPU, where bf16 matmuls rarely pay)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def _staging_bytes(parts: EngineParts) -> int:
+    """The device-to-device staging buffer: room for 4 full-length prompts in flight, at
+    most _GPU_STAGING_MAX_BYTES; a pull that does not fit streams bytes instead."""
+    spec, bs = parts.executor.runner.spec, parts.config.cache.block_size
+    per_prompt = -(-parts.info.max_model_len // bs) * spec.bytes_per_block
+    return min(4 * per_prompt, _GPU_STAGING_MAX_BYTES)
 
 
 def _config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
@@ -160,7 +188,7 @@ def _build_proposer(config: EngineConfig, spec: SpeculativeConfig, path: Path, m
         # A quantized copy of the target ("self" + quantization) is a cheap, well
         # aligned draft; any other folder must share the target's tokenizer.
         draft_path = path if spec.model == "self" else resolve_model_path(spec.model)
-        draft, draft_arch = load_model(draft_path, DTYPES[mc.dtype], device,
+        draft, draft_arch = load_model(draft_path, DTYPES[resolve_dtype(mc.dtype, device)], device,
                                        max_model_len + spec.num_speculative_tokens + 1,
                                        quantization=spec.quantization)
         if draft_arch.vocab_size != arch.vocab_size:

@@ -21,8 +21,9 @@ class ModelConfig(_Base):
         "None serves the embedded SmolLM2-135M-Instruct. Nothing is downloaded.",
     )
     tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to the model folder.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights and activations dtype. float32 is exact against transformers."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations dtype. auto: bfloat16 on CUDA, float32 elsewhere "
+        "(float32 is exact against transformers)."
     )
     device: str = Field("cpu", description="torch device: 'cpu' or 'cuda' / 'cuda:N'.")
     max_model_len: int | None = Field(

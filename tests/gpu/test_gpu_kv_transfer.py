@@ -1,11 +1,15 @@
 """The GPU KV transfer protocol on CPU: transport choice, staging slots, checksums, layout
-checks and the fallback decisions, with the device copies behind a CPU test transport
-(the CUDA IPC one is exercised by benchmarks/gpu_check.py on a GPU)."""
+checks and the fallback decisions, with the device copies behind CPU test transports (a
+shared-memory stand-in for CUDA IPC, an in-process communicator for NCCL); the CUDA IPC
+one is exercised by benchmarks/gpu_check.py on a GPU."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+from fake_transports import Hub, SharedMemory
 
 from kvmesh._proto import worker_pb2
 from kvmesh.errors import KVTransferError
@@ -15,31 +19,15 @@ from kvmesh.worker.gpu_kv_transfer import (
     GpuKVSink,
     GpuKVSource,
     SlotAllocator,
+    build_gpu_kv,
     choose_transport,
+    default_transports,
     device_checksum,
 )
 from kvmesh.worker.model_runner import KVCacheSpec
+from kvmesh.worker.nccl_transport import NcclTransport, bytes_to_uid, uid_to_bytes
 
 FP = "f" * 32
-
-
-class _SharedMemory:
-    """CUDA IPC stand-in: 'handles' name CPU buffers of this process."""
-
-    name = CUDA_IPC
-
-    def __init__(self):
-        self.buffers: dict[bytes, torch.Tensor] = {}
-        self.opened = 0
-
-    def export(self, buffer):
-        handle = f"h{len(self.buffers)}".encode()
-        self.buffers[handle] = buffer
-        return handle
-
-    def open(self, handle, nbytes):
-        self.opened += 1
-        return self.buffers[handle][:nbytes]
 
 
 class _Runner:
@@ -56,7 +44,7 @@ class _Runner:
 
 
 def _pair(capacity=1 << 16):
-    mem = _SharedMemory()
+    mem = SharedMemory()
     src_runner = _Runner()
     source = GpuKVSource(src_runner, mem, torch.zeros(capacity, dtype=torch.uint8), node="node-a")
     sink = GpuKVSink(_Runner(seed=1), mem, node="node-a")
@@ -129,3 +117,67 @@ def test_fallbacks():
     other = GpuKVSink(_Runner(d=16), mem, node="node-a")
     with pytest.raises(KVTransferError, match="layout mismatch"):
         other.receive(chunk, FP)
+
+
+def _nccl_pair(hub):
+    src_runner = _Runner()
+    source = GpuKVSource(src_runner, [hub.transport()], torch.zeros(1 << 16, dtype=torch.uint8), node="node-a")
+    sink = GpuKVSink(_Runner(seed=1), [SharedMemory(), NcclTransport(torch.device("cpu"), hub.comm)], node="node-b")
+    return src_runner, source, sink
+
+
+def _push_and_receive(source, sink, chunk, tid="t1"):
+    pusher = threading.Thread(target=source.push, args=(tid,))
+    pusher.start()
+    try:
+        return sink.receive(chunk, FP)
+    finally:
+        pusher.join(10)
+
+
+def test_nccl_across_nodes_exchanges_the_unique_id_in_the_answer():
+    hub = Hub()
+    src_runner, source, sink = _nccl_pair(hub)
+    assert sink.offer_fields()["gpu_transports"] == [CUDA_IPC, NCCL]
+    chunk = source.offer(_request(**sink.offer_fields()), [7, 1], 8, FP)  # other node: no IPC
+    assert chunk.gpu.transport == NCCL and chunk.gpu.nccl_unique_id and not chunk.gpu.ipc_handle
+    pulled = _push_and_receive(source, sink, chunk)
+    assert torch.equal(pulled.kv, src_runner.kv[:, :, [7, 1]]) and pulled.num_tokens == 8
+    assert hub.created == hub.destroyed == 2  # one two-rank communicator per pull, torn down
+    second = source.offer(_request("t2", **sink.offer_fields()), [3], 4, FP)
+    assert second.gpu.nccl_unique_id != chunk.gpu.nccl_unique_id
+    assert source.release("t1") and source.release("t2") and len(source.slots) == 0
+
+
+def test_nccl_failures_raise_kv_transfer_errors():
+    _, source, sink = _nccl_pair(Hub(corrupt=True))
+    chunk = source.offer(_request(**sink.offer_fields()), [2], 4, FP)
+    with pytest.raises(KVTransferError, match="checksum"):
+        _push_and_receive(source, sink, chunk)
+
+    def broken(uid, rank):
+        raise RuntimeError("NCCL error: unhandled system error")
+
+    failing = GpuKVSink(_Runner(), [NcclTransport(torch.device("cpu"), broken)], node="node-b")
+    with pytest.raises(KVTransferError, match="nccl transfer failed: NCCL error"):
+        failing.receive(chunk, FP)
+    no_id = worker_pb2.KVChunk()
+    no_id.CopyFrom(chunk)
+    no_id.gpu.nccl_unique_id = b""
+    with pytest.raises(KVTransferError, match="without a unique id"):
+        failing.receive(no_id, FP)
+
+
+def test_unique_id_bytes_round_trip():
+    every = bytes(range(256))
+    assert uid_to_bytes(bytes_to_uid(every)) == every
+    assert all(-128 <= c <= 127 for c in bytes_to_uid(every))
+
+
+def test_cpu_workers_take_the_bytes_path():
+    runner = _Runner()
+    assert default_transports(runner.device) == []
+    assert build_gpu_kv(runner, 1 << 20) == (None, None)
+    source, sink = build_gpu_kv(runner, 1 << 12, [SharedMemory()], node="n")
+    assert source.buffer.numel() == 1 << 12 and sink.offer_fields() == {"gpu_transports": [CUDA_IPC],
+                                                                        "gpu_node_id": "n"}

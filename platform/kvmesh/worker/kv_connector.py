@@ -19,6 +19,7 @@ from kvmesh.engine.outputs import SchedulerOutput
 from kvmesh.engine.request import Request
 from kvmesh.kvstore.base import KVStore
 from kvmesh.kvstore.codec import BlockCodec, BlockDecodeError, block_key
+from kvmesh.worker.host_staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class StoreConnector:
         self.block_size = codec.block_size
         self.shape = (codec.num_layers, 2, codec.block_size, codec.kv_heads, codec.head_dim)
         self.dtype = runner.dtype
+        # Blocks read from a CUDA cache reach the host through one reused pinned buffer.
+        self.host = HostStaging(pin=runner.device.type == "cuda")
         self.counters: Counter[str] = Counter()
         self._pending: dict[str, list] = {}
         self._saved: dict[str, int] = {}
@@ -112,7 +115,7 @@ class StoreConnector:
             self._update_hashes(req)
             # seq.block_ids is the table as scheduled: still valid for a request that
             # finished this step (its freed blocks are not reused before the next step).
-            data = self.runner.read_blocks(seq.block_ids[saved:full])
+            data = self.host.to_host(self.runner.read_blocks(seq.block_ids[saved:full]))
             keys = [block_key(self.codec.fingerprint, req.block_hashes[i]) for i in range(saved, full)]
             items = [(k, self.codec.encode(block_to_bytes(data[:, :, j]), k)) for j, k in enumerate(keys)]
             self.enqueue(items, self.ttl_s)
@@ -130,7 +133,7 @@ class StoreConnector:
         self.flush()
         if not keys:
             return keys
-        data = self.runner.read_blocks(block_ids[: len(hashes)])
+        data = self.host.to_host(self.runner.read_blocks(block_ids[: len(hashes)]))
         self.store.put_many([(k, self.codec.encode(block_to_bytes(data[:, :, i]), k)) for i, k in enumerate(keys)],
                             None)
         self.store.pin(keys)

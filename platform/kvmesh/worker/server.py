@@ -8,6 +8,11 @@ snapshots), never concurrently with a step.
 
 Built by `kvmesh.build.build_worker`; run one with `kvmesh worker --role decode --port 50061
 --model DIR`.
+
+Over ~400 lines on purpose: each RPC is a short handler, and the P/D pair (Prefill,
+PullKV with its GPU handle path, ReleaseKV, Decode's pull and fallbacks) shares the
+transfer table and health checks; counters and the Stats reply live in worker/stats.py,
+the transports in worker/kv_transfer.py and worker/gpu_kv_transfer.py.
 """
 
 from __future__ import annotations
@@ -44,8 +49,10 @@ from kvmesh.rpc.internal_auth import InternalAuth
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.metrics import start_metrics_server
 from kvmesh.telemetry.workers import CLUSTER, CacheSourceTracker, loop_source
+from kvmesh.worker.gpu_kv_transfer import GpuKVSink, GpuKVSource, pull_kv_or_bytes
 from kvmesh.worker.kv_transfer import (
     KVTransferError,
+    PulledKV,
     PulledKVLoader,
     TransferTable,
     blocks_per_chunk,
@@ -79,11 +86,15 @@ class WorkerServerConfig(BaseModel):
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """`loader` must be (part of) the engine's KV loader chain: Decode stages pulled KV
-    there; `cache_sources` (the chain's outer end) says where reused KV came from."""
+    there; `cache_sources` (the chain's outer end) says where reused KV came from.
+    `gpu_source` / `gpu_sink` move KV device to device (worker/gpu_kv_transfer.py); None
+    (CPU workers) = bytes over gRPC only."""
 
     def __init__(self, aengine: AsyncLLMEngine, config: WorkerServerConfig, address: str,
-                 loader: PulledKVLoader, cache_sources: CacheSourceTracker, auth: InternalAuth | None = None):
+                 loader: PulledKVLoader, cache_sources: CacheSourceTracker, auth: InternalAuth | None = None,
+                 gpu_source: GpuKVSource | None = None, gpu_sink: GpuKVSink | None = None):
         self.aengine = aengine
+        self.gpu_source, self.gpu_sink = gpu_source, gpu_sink
         self.auth = auth or InternalAuth()  # credentials of this worker's PullKV channels
         self.engine = aengine.engine
         self.runner = self.engine.executor.runner
@@ -133,7 +144,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _release(self, transfer_id: str) -> None:
         if self.transfers.pop(transfer_id) is not None:
-            await self.aengine.run_between_steps(lambda: self.engine.release_kv(transfer_id))
+            await self.aengine.run_between_steps(lambda: self._free(transfer_id))
+
+    def _free(self, transfer_id: str) -> bool:
+        if self.gpu_source is not None:
+            self.gpu_source.release(transfer_id)  # its staging slot, if it was offered device to device
+        return self.engine.release_kv(transfer_id)
 
     async def expire_transfers_forever(self) -> None:
         """Release transfers nobody pulled within the TTL (a decode that never came)."""
@@ -218,6 +234,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         step = blocks_per_chunk(runner, request.max_chunk_bytes)
         held.pulls_in_flight += 1
         try:
+            gpu = self.gpu_source
+            chunk = None if gpu is None else await self.aengine.run_between_steps(
+                lambda: gpu.offer(request, held.block_ids, held.num_tokens, self.engine.fingerprint))
+            if chunk is not None:  # device to device: a handle instead of bytes
+                self.counters.kv_sent_blocks += chunk.num_blocks
+                self.counters.kv_sent_bytes += chunk.gpu.num_bytes
+                yield chunk
+                await self._push_device(request.transfer_id)
+                return  # the blocks stay held until the puller's ReleaseKV (or its bytes pull, or the TTL)
             for i in range(0, len(held.block_ids), step):
                 ids = held.block_ids[i : i + step]
                 kv = await self.aengine.run_between_steps(lambda ids=ids: runner.read_blocks(ids))
@@ -228,6 +253,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             held.pulls_in_flight -= 1
         await self._release(request.transfer_id)  # pull complete
+
+    async def _push_device(self, transfer_id: str) -> None:
+        """Send a staged region when the transport pushes (NCCL); bounded by the pull
+        timeout. A failure is the puller's to notice: it then pulls bytes."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.gpu_source.push, transfer_id), self.config.pull_timeout_s)
+        except Exception as exc:
+            logger.warning("device-to-device push of %s failed (%s); the puller falls back to bytes",
+                           transfer_id, exc)
 
     async def ReleaseKV(self, request: worker_pb2.ReleaseKVRequest, context: grpc.aio.ServicerContext):
         held = self.transfers.get(request.transfer_id)
@@ -272,8 +306,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         attrs = {"kvmesh.transfer_id": request.transfer_id, "kvmesh.source": request.source_address}
         with tracing.client_span("kvmesh.kv_transfer.pull", span, attrs) as pull_span:
             try:
-                pulled = await pull_kv(self._channel(request.source_address), self.runner,
-                                       request.transfer_id, self.engine.fingerprint, timeout)
+                pulled = await self._fetch_kv(request, timeout)
             except (grpc.aio.AioRpcError, KVTransferError) as exc:
                 self.counters.kv_pull_failures += 1
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
@@ -286,6 +319,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.counters.kv_received_blocks += pulled.num_blocks
         self.counters.kv_received_bytes += pulled.num_bytes
         self.loader.stage(engine_id, pulled)
+
+    async def _fetch_kv(self, request: worker_pb2.DecodeRequest, timeout: float) -> PulledKV:
+        channel, fp = self._channel(request.source_address), self.engine.fingerprint
+        if self.gpu_sink is not None:  # device to device if the source takes it, else bytes
+            return await pull_kv_or_bytes(channel, self.runner, self.gpu_sink, request.transfer_id, fp, timeout)
+        return await pull_kv(channel, self.runner, request.transfer_id, fp, timeout)
 
     async def CachePrompt(self, request: llm_pb2.CachePromptRequest, context: grpc.aio.ServicerContext):
         try:
@@ -337,7 +376,8 @@ class WorkerServer:
     """A started worker: gRPC server, servicer and the TTL sweeper."""
 
     def __init__(self, aengine: AsyncLLMEngine, config: WorkerServerConfig, loader: PulledKVLoader,
-                 cache_sources: CacheSourceTracker, auth: InternalAuth | None = None):
+                 cache_sources: CacheSourceTracker, auth: InternalAuth | None = None,
+                 gpu_source: GpuKVSource | None = None, gpu_sink: GpuKVSink | None = None):
         self.aengine = aengine
         self.config = config
         # Every worker RPC but health checks needs the internal token when one is set
@@ -348,7 +388,8 @@ class WorkerServer:
         if self.port == 0:
             raise OSError(f"could not listen on {config.host}:{config.port}; pick another --port")
         self.address = f"{config.host}:{self.port}"
-        self.servicer = WorkerServicer(aengine, config, self.address, loader, cache_sources, self.auth)
+        self.servicer = WorkerServicer(aengine, config, self.address, loader, cache_sources, self.auth,
+                                       gpu_source, gpu_sink)
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self._sweeper: asyncio.Task | None = None
