@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvmesh.layers import cpu_kernels
+from kvmesh.layers import cpu_kernels, slots
 from kvmesh.layers.triton_attention import TritonAttentionBackend
 from kvmesh.layers.triton_runtime import can_run as triton_can_run
 
@@ -78,12 +78,7 @@ class TorchAttentionBackend:
 
     def build_metadata(self, spans: list[SeqSpan], num_decodes: int) -> AttentionMetadata:
         bs = self.block_size
-        slots = []
-        for s in spans:
-            pos = np.arange(s.start_pos, s.ctx_len)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
-        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(self.device)
+        slot_mapping = torch.from_numpy(slots.slot_mapping(spans, bs)).to(self.device)
 
         decode_table = decode_mask = decode_lens = None
         if num_decodes:

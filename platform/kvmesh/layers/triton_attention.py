@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvmesh.layers.slots import slot_mapping
 from kvmesh.layers.triton_runtime import can_run, dot, next_pow2, num_sms, tl, to_dtype, triton, unavailable_reason
 
 DECODE_BLOCK_N = 64
@@ -224,12 +225,7 @@ class TritonAttentionBackend:
 
     def build_metadata(self, spans, num_decodes: int) -> TritonAttentionMetadata:
         bs = self.block_size
-        slots = []
-        for s in spans:
-            pos = np.arange(s.start_pos, s.ctx_len)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
-        meta = TritonAttentionMetadata(self._to(np.concatenate(slots)), num_decodes, None, None, 0)
+        meta = TritonAttentionMetadata(self._to(slot_mapping(spans, bs)), num_decodes, None, None, 0)
         if num_decodes:
             dec = spans[:num_decodes]
             meta.max_decode_ctx = max(s.ctx_len for s in dec)

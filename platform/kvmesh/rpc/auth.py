@@ -22,9 +22,10 @@ from pathlib import Path
 
 import grpc
 
+from kvmesh.rpc.server import OPEN_METHOD_PREFIXES, Refusal
+
 ENV_VAR = "KVMESH_API_KEY"
 FILE_ENV_VAR = "KVMESH_API_KEYS_FILE"
-_OPEN_GRPC_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 _BEARER = "Bearer "
 
 
@@ -103,26 +104,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, keys: str | ApiKeys):
         self._keys = ApiKeys([keys]) if isinstance(keys, str) else keys
-
-        async def deny_unary(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                f"missing or wrong API key: send metadata 'authorization: Bearer <key>' "
+        self._refusal = Refusal(f"missing or wrong API key: send metadata 'authorization: Bearer <key>' "
                                 f"(one of the server's {ENV_VAR} / {FILE_ENV_VAR} keys)")
 
-        async def deny_stream(request, context):
-            await deny_unary(request, context)
-            yield  # pragma: no cover - abort raises
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny_unary)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
-
     async def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(_OPEN_GRPC_PREFIXES):
+        if handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
             return await continuation(handler_call_details)
         header = metadata_value(handler_call_details.invocation_metadata, "authorization")
         if self._keys.tenant_of(header) is not None:
             return await continuation(handler_call_details)
-        handler = await continuation(handler_call_details)
-        if handler is not None and handler.response_streaming:
-            return self._deny_stream
-        return self._deny_unary
+        return self._refusal.handler_for(await continuation(handler_call_details))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from kvmesh.rpc.server import CHANNEL_OPTIONS
+from kvmesh.rpc.server import CHANNEL_OPTIONS, OPEN_METHOD_PREFIXES, Refusal
 from kvmesh.rpc.tls import TLSFiles, add_port, channel_credentials
 
 TOKEN_ENV = "KVMESH_INTERNAL_TOKEN"
@@ -32,7 +32,6 @@ TOKEN_FILE_ENV = "KVMESH_INTERNAL_TOKEN_FILE"
 TLS_ENV = {"cert": "KVMESH_INTERNAL_TLS_CERT_FILE", "key": "KVMESH_INTERNAL_TLS_KEY_FILE",
            "ca": "KVMESH_INTERNAL_TLS_CA_FILE", "server_name": "KVMESH_INTERNAL_TLS_SERVER_NAME"}
 METADATA_KEY = "kvmesh-internal-token"
-_OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
 
 def _read_token(path: str) -> str:
@@ -111,21 +110,11 @@ class InternalTokenInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, token: str):
         self._token = token.encode()
-
-        async def deny_unary(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "worker RPCs are internal: the call lacks the cluster's internal token "
+        self._refusal = Refusal("worker RPCs are internal: the call lacks the cluster's internal token "
                                 f"(metadata {METADATA_KEY!r}, from {TOKEN_ENV}); call the router instead")
 
-        async def deny_stream(request, context):
-            await deny_unary(request, context)
-            yield  # pragma: no cover - abort raises
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny_unary)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
-
     async def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(_OPEN_PREFIXES):
+        if handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
             return await continuation(handler_call_details)
         sent = ""
         for key, value in handler_call_details.invocation_metadata or ():
@@ -133,10 +122,7 @@ class InternalTokenInterceptor(grpc.aio.ServerInterceptor):
                 sent = value if isinstance(value, str) else value.decode(errors="replace")
         if hmac.compare_digest(sent.encode(), self._token):
             return await continuation(handler_call_details)
-        handler = await continuation(handler_call_details)
-        if handler is not None and handler.response_streaming:
-            return self._deny_stream
-        return self._deny_unary
+        return self._refusal.handler_for(await continuation(handler_call_details))
 
 
 def _with_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:

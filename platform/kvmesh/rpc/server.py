@@ -54,3 +54,28 @@ async def run_until_signalled(start: Callable[[], Awaitable[None]], stop: Callab
     await start()
     await done.wait()
     await stop()
+
+
+# Methods every server leaves open to any caller (load balancers and grpcurl need them).
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+
+class Refusal:
+    """UNAUTHENTICATED handlers carrying one message, for unary and server-streaming
+    methods: what an auth interceptor returns instead of the real handler."""
+
+    def __init__(self, message: str):
+        async def deny_unary(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request, context):
+            await deny_unary(request, context)
+            yield  # pragma: no cover - abort raises
+
+        self._unary = grpc.unary_unary_rpc_method_handler(deny_unary)
+        self._stream = grpc.unary_stream_rpc_method_handler(deny_stream)
+
+    def handler_for(self, handler):
+        """The refusal shaped like `handler` (the method's real handler, or None)."""
+        return self._stream if handler is not None and handler.response_streaming else self._unary
+
