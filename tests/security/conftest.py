@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
-from sec_helpers import Certs, PasswordRedis, make_pair
+from sec_helpers import Certs, make_pair
+
+# The KV store tests' real redis-server helper (tests/kvstore/redis_procs.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kvstore"))
+from redis_procs import RedisServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -14,6 +21,6 @@ def certs(tmp_path_factory) -> Certs:
 
 @pytest.fixture
 def password_redis():
-    server = PasswordRedis("s3cret-pass")
+    server = RedisServer(password="s3cret-pass")
     yield server
     server.stop()

@@ -4,18 +4,12 @@ and an event loop on a background thread for in-process gRPC servers."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import ipaddress
-import shutil
 import socket
-import subprocess
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -63,57 +57,7 @@ def make_pair(tmp: Path, prefix: str) -> tuple[Path, Path, Path]:
             _write(tmp / f"{prefix}-key.pem", key_pem))
 
 
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="security-test-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 60.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class PasswordRedis:
-    """redis-server on a free loopback port with `--requirepass`."""
-
-    def __init__(self, password: str):
-        if shutil.which("redis-server") is None:
-            pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run does)")
-        import redis
-
-        self.password, self.port = password, free_port()
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--requirepass", password], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, password=password)
-        for _ in range(250):
-            try:
-                if client.ping():
-                    return
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
-
-    def url(self, with_password: bool = True) -> str:
-        auth = f":{self.password}@" if with_password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def client(self):
-        import redis
-
-        return redis.Redis(port=self.port, password=self.password)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()

@@ -11,7 +11,7 @@ import grpc
 import httpx
 import pytest
 from google.rpc import error_details_pb2, status_pb2
-from sec_helpers import LoopThread, free_port
+from sec_helpers import free_port
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
 from kvmesh.build import build_worker
@@ -22,6 +22,7 @@ from kvmesh.router.registry import StaticRegistry
 from kvmesh.router.server import RouterServer
 from kvmesh.rpc.internal_auth import InternalAuth
 from kvmesh.rpc.tls import TLSFiles
+from kvmesh.serve.loop import LoopThread
 from kvmesh.serve.openai import GrpcBackend, create_app, serve_http_in_thread
 from kvmesh.worker.server import WorkerServerConfig
 
@@ -32,7 +33,7 @@ PROMPT = list(range(20, 60))  # 40 tokens: 9 full blocks are reusable
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama):
-    loop = LoopThread()
+    loop = LoopThread("security-test-loop")
     cfg = EngineConfig.from_kwargs(model=str(tiny_llama), block_size=BS, num_blocks=256, max_model_len=128,
                                    num_threads=1)
 
@@ -41,12 +42,12 @@ def worker(tiny_llama):
         await w.start()
         return w
 
-    w = loop.run(start(), timeout=120)
+    w = loop.run(start(), timeout_s=120)
     try:
         yield loop, w
     finally:
         loop.run(w.stop(grace=0.5))
-        loop.close()
+        loop.stop()
 
 
 @contextlib.contextmanager

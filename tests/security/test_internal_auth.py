@@ -9,7 +9,6 @@ from __future__ import annotations
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from sec_helpers import LoopThread
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.build import build_worker
@@ -18,6 +17,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.registry import StaticRegistry
 from kvmesh.router.server import RouterServer
 from kvmesh.rpc.internal_auth import METADATA_KEY, InternalAuth
+from kvmesh.serve.loop import LoopThread
 from kvmesh.worker.server import WorkerServerConfig
 
 TOKEN = "internal-test-token-0123456789"
@@ -26,7 +26,7 @@ BS = 4
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama):
-    loop = LoopThread()
+    loop = LoopThread("security-test-loop")
     auth = InternalAuth(token=TOKEN)
     started = []
 
@@ -47,14 +47,14 @@ def cluster(tiny_llama):
         return started
 
     try:
-        yield loop, loop.run(start(), timeout=120)
+        yield loop, loop.run(start(), timeout_s=120)
     finally:
         async def stop():
             for s in reversed(started):
                 await s.stop(grace=0.5)
 
         loop.run(stop())
-        loop.close()
+        loop.stop()
 
 
 async def _generate(address: str, ids: list[int]) -> list[llm_pb2.GenerateResponse]:

@@ -45,13 +45,13 @@ def test_codec_mac_rejects_unsigned_wrong_key_and_replayed_blocks():
 
 def test_redis_store_with_a_password(password_redis, monkeypatch):
     monkeypatch.delenv("KVMESH_REDIS_PASSWORD", raising=False)
-    with_password = create_store(password_redis.url())
+    with_password = create_store(password_redis.url)
     with_password.put_many([(b"k", b"v")], ttl_s=60)
     assert with_password.get_many([b"k"]) == [b"v"]
-    no_password = create_store(password_redis.url(with_password=False))
+    no_password = create_store(password_redis.url_without_password)
     assert no_password.get_many([b"k"]) == [None] and no_password.errors == 1  # refused: a miss, not a crash
     monkeypatch.setenv("KVMESH_REDIS_PASSWORD", password_redis.password)
-    from_env = create_store(password_redis.url(with_password=False))
+    from_env = create_store(password_redis.url_without_password)
     assert from_env.get_many([b"k"]) == [b"v"] and from_env.errors == 0
     for store in (with_password, no_password, from_env):
         store.close()
@@ -71,7 +71,7 @@ def test_a_writer_without_the_key_cannot_plant_kv(tiny_llama, password_redis, mo
     attacker with Redis access writes, unsigned or signed with a guessed key, are rejected,
     counted and computed locally: output is unchanged."""
     monkeypatch.setenv("KVMESH_KV_HMAC_KEY", "the-cluster-key")
-    url = password_redis.url()
+    url = password_redis.url
     prompt = _ids(41, 1)
     writer = _llm(tiny_llama, url)
     ref = writer.generate(prompt, GREEDY)[0].outputs[0].token_ids
@@ -103,7 +103,7 @@ def test_a_writer_without_the_key_cannot_plant_kv(tiny_llama, password_redis, mo
 
 
 def test_rate_limit_buckets_are_shared_by_routers_through_redis(password_redis):
-    config = RateLimitConfig(requests_per_minute=3, tokens_per_minute=1000, redis_url=password_redis.url())
+    config = RateLimitConfig(requests_per_minute=3, tokens_per_minute=1000, redis_url=password_redis.url)
 
     async def run():
         a, b = RateLimiter(config), RateLimiter(config)  # two routers

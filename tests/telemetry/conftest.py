@@ -5,30 +5,14 @@ in a background thread (so tests can also scrape HTTP endpoints from the main on
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from dataclasses import dataclass
 
 import pytest
 
 from kvmesh.rpc import free_port
+from kvmesh.serve.loop import LoopThread
 
 BS = 4
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="telemetry-test-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 60.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @dataclass
@@ -54,7 +38,7 @@ def cluster(tiny_llama):
         return build_worker(EngineConfig.from_kwargs(model=str(tiny_llama), block_size=BS, num_blocks=128,
                                                      max_model_len=256, num_threads=1), config)
 
-    loop = LoopThread()
+    loop = LoopThread("telemetry-test-loop")
     metrics_port = free_port()
     started = []
 
@@ -75,13 +59,13 @@ def cluster(tiny_llama):
         return Cluster(loop, prefill, decode, *routers, metrics_port)
 
     try:
-        yield loop.run(start(), timeout=120)
+        yield loop.run(start(), timeout_s=120)
     finally:
         async def stop():
             for s in reversed(started):
                 await s.stop(grace=0.5)
 
         try:
-            loop.run(stop(), timeout=60)
+            loop.run(stop(), timeout_s=60)
         finally:
-            loop.close()
+            loop.stop()
