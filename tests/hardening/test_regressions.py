@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvmesh_procs import collect, spawn_worker, stop, wait_idle, wait_ready, worker_stats
+from kvmesh_procs import collect, spawn_worker, start_serve_local, stop, wait_idle, wait_ready, worker_stats
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh.router.config import RouterConfig
@@ -145,20 +142,10 @@ def _listening_pid(parent: int, port: int) -> int:
 
 @pytest.mark.timeout(400)
 def test_worker_killed_under_load_in_serve_local_loses_nothing_and_comes_back(tiny_llama, tmp_path):
-    port = free_port()
     log = tmp_path / "serve.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "serve", "--local", "--model", str(tiny_llama), "--port", str(port),
-             "--threads", "1", "--num-blocks", "256", "--block-size", "4", "--max-model-len", "128",
-             "--prefill-replicas", "0", "--decode-replicas", "2"], stdout=fh, stderr=subprocess.STDOUT, env=env)
+    proc, port, workers = start_serve_local(tiny_llama, log, "--num-blocks", "256", "--prefill-replicas", "0",
+                                            "--decode-replicas", "2", timeout=200)
     try:
-        deadline = time.monotonic() + 200
-        while "Ctrl-C to stop" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        workers = re.findall(r"(\S+) worker \(kvmesh.v1.Worker\) at (\S+)", log.read_text())
         assert len(workers) == 2, log.read_text()
         victim_name, victim = workers[0]
         victim_pid = _listening_pid(proc.pid, int(victim.rsplit(":", 1)[1]))

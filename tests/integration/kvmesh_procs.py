@@ -122,3 +122,27 @@ async def wait_idle(addresses: list[str], timeout: float = 15.0) -> list:
         if time.monotonic() > deadline:
             raise AssertionError(f"workers not idle after {timeout}s: {stats}")
         await asyncio.sleep(0.1)
+
+
+def start_serve_local(model: Path, log: Path, *args: str, env: dict | None = None,
+                      timeout: float = 150.0) -> tuple[subprocess.Popen, int, list[tuple[str, str]]]:
+    """`kvmesh serve --local` on `model` with tiny-model engine flags plus `args`, on a
+    free gRPC port; returns (process, port, [(worker name, address)]) once it is ready.
+    Kills it and fails with its log if it exits or is not ready within `timeout`."""
+    from kvmesh.rpc import free_port
+
+    port = free_port()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "serve", "--local", "--model", str(model), "--port", str(port),
+             "--threads", "1", "--block-size", "4", "--max-model-len", "128", *args],
+            stdout=fh, stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+    deadline = time.monotonic() + timeout
+    while "Ctrl-C to stop" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(log.read_text())
+        time.sleep(0.2)
+    return proc, port, re.findall(r"(\S+) worker \(kvmesh.v1.Worker\) at (\S+)", log.read_text())

@@ -2,37 +2,22 @@
 shuts all of them down on SIGTERM."""
 
 import asyncio
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
-import time
 
 import grpc
 import pytest
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
-from kvmesh.rpc import free_port
-from kvmesh_procs import collect
+from kvmesh_procs import collect, start_serve_local
 
 
 @pytest.mark.timeout(180)
 def test_serve_local_serves_then_stops_cleanly(tiny_llama, tmp_path):
-    port = free_port()
     log = tmp_path / "serve.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "serve", "--local", "--model", str(tiny_llama), "--port", str(port),
-             "--threads", "1", "--num-blocks", "128", "--block-size", "4", "--max-model-len", "128",
-             "--pd-threshold-tokens", "8"], stdout=fh, stderr=subprocess.STDOUT, env=env)
+    proc, port, _ = start_serve_local(tiny_llama, log, "--num-blocks", "128", "--pd-threshold-tokens", "8")
     try:
-        deadline = time.monotonic() + 150
-        while "Ctrl-C to stop" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
         text = log.read_text()
         assert f"router (kvmesh.v1.LLM) at 127.0.0.1:{port}" in text
         workers = re.findall(r"(prefill|decode) worker \(kvmesh.v1.Worker\) at (\S+)", text)
@@ -65,22 +50,8 @@ INTERNAL_TOKEN = "serve-local-test-token"  # worker ports refuse calls without i
 
 
 def _start_local(tiny_llama, tmp_path, *extra):
-    port = free_port()
-    log = tmp_path / "serve.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "KVMESH_INTERNAL_TOKEN": INTERNAL_TOKEN}
-    fh = open(log, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "serve", "--local", "--model", str(tiny_llama), "--port", str(port),
-         "--threads", "1", "--num-blocks", "128", "--block-size", "4", "--max-model-len", "128", *extra],
-        stdout=fh, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 150
-    while "Ctrl-C to stop" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(log.read_text())
-        time.sleep(0.2)
-    return proc, port, re.findall(r"(\S+) worker \(kvmesh.v1.Worker\) at (\S+)", log.read_text())
+    return start_serve_local(tiny_llama, tmp_path / "serve.log", "--num-blocks", "128", *extra,
+                             env={"KVMESH_INTERNAL_TOKEN": INTERNAL_TOKEN})
 
 
 def _stop(proc):
