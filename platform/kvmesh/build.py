@@ -11,6 +11,7 @@ Everything below is built by constructor arguments; nothing is rewired afterward
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from kvmesh.config import EngineConfig, SpeculativeConfig
 from kvmesh.engine.async_engine import AsyncLLMEngine
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.interfaces import ModelInfo
+from kvmesh.engine.outputs import RequestOutput
 from kvmesh.errors import ConfigError
 from kvmesh.kvstore import BlockCodec, create_store
 from kvmesh.kvstore.codec import load_mac_key
@@ -128,7 +130,8 @@ def build_async_engine(config: EngineConfig | None = None, progress: bool = True
 
 def build_worker(config: EngineConfig | None, server_config: WorkerServerConfig | None = None,
                  progress: bool = False, auth: InternalAuth | None = None,
-                 gpu_transports: list[GpuTransport] | None = None, gpu_node: str | None = None) -> WorkerServer:
+                 gpu_transports: list[GpuTransport] | None = None, gpu_node: str | None = None,
+                 on_outputs: Callable[[list[RequestOutput]], None] | None = None) -> WorkerServer:
     """A gRPC worker (not started; call it on the event loop that will run it). Its
     engine's KV loader is a chain: KV pulled from a
     prefill worker if staged for the request, else the shared store; a tracker notes
@@ -136,7 +139,8 @@ def build_worker(config: EngineConfig | None, server_config: WorkerServerConfig 
 
     P/D KV moves device to device by the transports this machine has (CUDA IPC and NCCL
     through cupy on a CUDA device; none on CPU: bytes over gRPC); `gpu_transports` and
-    `gpu_node` replace those transports and this machine's node id (tests, embedders)."""
+    `gpu_node` replace those transports and this machine's node id (tests, embedders);
+    `on_outputs` observes every engine step's outputs (see AsyncLLMEngine)."""
     parts = build_parts(config, progress)
     runner = parts.executor.runner
     gpu_source, gpu_sink = build_gpu_kv(runner, _staging_bytes(parts), gpu_transports, gpu_node)
@@ -144,7 +148,7 @@ def build_worker(config: EngineConfig | None, server_config: WorkerServerConfig 
     sources = CacheSourceTracker(pulled)
     engine = _warm(LLMEngine(parts.config, parts.executor, parts.tokenizer, parts.info,
                              kv_loader=sources, kv_connector=parts.connector))
-    return WorkerServer(AsyncLLMEngine(engine), server_config or WorkerServerConfig(), pulled, sources, auth,
+    return WorkerServer(AsyncLLMEngine(engine, on_outputs), server_config or WorkerServerConfig(), pulled, sources, auth,
                         gpu_source, gpu_sink)
 
 

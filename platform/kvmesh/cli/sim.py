@@ -7,8 +7,9 @@ import argparse
 import time
 from pathlib import Path
 
-from kvmesh.build import build_engine
+from kvmesh.build import build_parts
 from kvmesh.cli.args import add_engine_args, engine_config
+from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.router.autoscale import SLO, ScalePolicy
 from kvmesh.sim import report
@@ -86,18 +87,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    engine = build_engine(engine_config(args))
-    samples: list[tuple[float, float, float, float]] = []
-    execute = engine.executor.execute
+class _TimedExecutor:
+    """An engine's executor that records (step features, seconds) of every model step:
+    calibration fits the model step only, not the engine's bookkeeping."""
 
-    def timed(sched):
+    def __init__(self, inner):
+        self.inner = inner
+        self.samples: list[tuple[float, float, float, float]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def execute(self, sched):
         t = time.perf_counter()
-        out = execute(sched)
-        samples.append((*step_features(sched), time.perf_counter() - t))
+        out = self.inner.execute(sched)
+        self.samples.append((*step_features(sched), time.perf_counter() - t))
         return out
 
-    engine.executor.execute = timed  # measure the model step only, not the bookkeeping
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    parts = build_parts(engine_config(args))
+    executor = _TimedExecutor(parts.executor)
+    engine = LLMEngine(parts.config, executor, parts.tokenizer, parts.info)
+    samples = executor.samples
     vocab = engine.model_info.vocab_size
     rid = 0
     for n in (int(x) for x in args.prompt_lengths.split(",")):

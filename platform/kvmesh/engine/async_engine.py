@@ -31,8 +31,12 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine,
+                 on_outputs: Callable[[list[RequestOutput]], None] | None = None):
+        """`on_outputs` sees every step's outputs on the loop thread, before they are
+        delivered (telemetry, the autoscaling latency window)."""
         self.engine = engine
+        self._on_outputs = on_outputs
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[tuple[str, list[int], SamplingParams, str | None, bool]] = []
         self._pending_aborts: set[str] = set()
@@ -220,6 +224,8 @@ class AsyncLLMEngine:
                     continue
                 finally:
                     self._busy_since = None
+                if self._on_outputs is not None:
+                    self._on_outputs(outputs)
                 for out in outputs:
                     q = self._queues.get(out.request_id)
                     if q is not None:

@@ -71,14 +71,6 @@ class LatencyWindow:
                 out.append(_p90([v for _, v in q]))
         return out[0], out[1]
 
-    def wrap(self, step: Callable[[], list]) -> Callable[[], list]:
-        """`step` (an engine's) that also observes its outputs."""
-        def observed_step() -> list:
-            outputs = step()
-            self.observe(outputs)
-            return outputs
-        return observed_step
-
 
 def _p90(xs: list[float]) -> float | None:
     if not xs:

@@ -61,10 +61,11 @@ def _with_threads(engine: EngineConfig) -> EngineConfig:
     return engine.with_overrides(num_threads=len(os.sched_getaffinity(0)))
 
 
-async def _start_worker(engine_config: EngineConfig, cfg: ServingConfig, role: str) -> WorkerServer:
+async def _start_worker(engine_config: EngineConfig, cfg: ServingConfig, role: str,
+                        latency: LatencyWindow) -> WorkerServer:
     server = build_worker(engine_config, WorkerServerConfig(
         role=role, host=cfg.host, port=0, model_id=cfg.model_id, transfer_ttl_s=cfg.transfer_ttl_s),
-        auth=InternalAuth.load(cfg.security.internal_token_file))
+        auth=InternalAuth.load(cfg.security.internal_token_file), on_outputs=latency.observe)
     await server.start()
     return server
 
@@ -77,12 +78,10 @@ class WorkerDeployment:
         self.role = role
         configure_tracing(cfg.tracing)
         self._loop = LoopThread(f"kvmesh-{role}")
-        # The model loads in a thread of this process; the replica is not ready until it has.
-        self.server = self._loop.run(_start_worker(_with_threads(cfg.engine_for(role)), cfg, role))
         # TTFT / TPOT of finished requests, for the kvmesh autoscaling policy (record_autoscaling_stats).
         self._latency = LatencyWindow()
-        engine = self.server.aengine.engine
-        engine.step = self._latency.wrap(engine.step)
+        # The model loads in a thread of this process; the replica is not ready until it has.
+        self.server = self._loop.run(_start_worker(_with_threads(cfg.engine_for(role)), cfg, role, self._latency))
         self.address = f"{_advertised_host(cfg.host)}:{self.server.port}"
         self._registry = get_registry(cfg.name, cfg.registry_ttl_s)
         ray.get(self._registry.register.remote(self.address, role))
