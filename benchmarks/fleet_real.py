@@ -33,7 +33,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ import httpx
 from kvmesh.checkpoint.files import resolve_model_path
 from kvmesh.models.loader import load_arch_config
 from kvmesh.router.autoscale import SLO
+from kvmesh.rpc import free_port
 from kvmesh.serve.local import spawn, stop, wait_ready
 from kvmesh.sim.experiments import compare
 from kvmesh.sim.fleet import FleetConfig
@@ -102,12 +102,6 @@ def workload(args, vocab: int) -> list[Item]:
     t0 = items[0].sim.arrival_s
     return [Item(TraceRequest(i.sim.arrival_s - t0, i.sim.input_length, i.sim.output_length, i.sim.hash_ids),
                  i.prompt_ids) for i in items]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_model() -> Path:

@@ -11,7 +11,6 @@ import grpc
 import httpx
 import pytest
 from google.rpc import error_details_pb2, status_pb2
-from sec_helpers import free_port
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
 from kvmesh.build import build_worker
@@ -20,6 +19,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.ratelimit import RateLimitConfig
 from kvmesh.router.registry import StaticRegistry
 from kvmesh.router.server import RouterServer
+from kvmesh.rpc import free_port
 from kvmesh.rpc.internal_auth import InternalAuth
 from kvmesh.rpc.tls import TLSFiles
 from kvmesh.serve.loop import LoopThread
