@@ -67,3 +67,58 @@ def test_auto_picks_cpu_kernels_on_cpu():
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="choose from"):
         get_attention_backend("flash9", 16, CPU)
+
+
+def _decode_reference(q, kc, vc, table, lens, scale):
+    """Dense fp32 attention of each sequence's query over its first lens[b] cache rows."""
+    b, h, d = q.shape
+    bs, kvh = kc.shape[1], kc.shape[2]
+    out = torch.empty(b, h, d)
+    for i in range(b):
+        pos = torch.arange(int(lens[i]))
+        blocks = table[i][pos // bs]
+        k = kc[blocks, pos % bs].float().repeat_interleave(h // kvh, dim=1)  # (C, H, D)
+        v = vc[blocks, pos % bs].float().repeat_interleave(h // kvh, dim=1)
+        p = (torch.einsum("hd,khd->hk", q[i].float(), k) * scale).softmax(-1)
+        out[i] = torch.einsum("hk,khd->hd", p, v)
+    return out
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("batch, d, max_len", [
+    (1, 64, 1000),   # batch-1 decode: the context is split into partitions merged by log-sum-exp
+    (2, 64, 300),    # fewer sequences than 4x threads: partitions of uneven, ragged contexts
+    (37, 64, 200),   # many ragged sequences: one task per sequence, several softmax chunks
+    (5, 40, 70),     # head size not a multiple of the vector width: the scalar tail
+    (3, 8, 33),      # head size below one vector
+])
+def test_paged_decode_kernel_matches_dense(dtype, tol, batch, d, max_len):
+    """The C++ kernel against dense fp32 attention, in every cache dtype and over the shapes
+    that take its different paths (chunks, partitions, vector tails)."""
+    if not cpu_kernels.load():
+        pytest.fail("C++ CPU kernels failed to build on this machine")
+    g = torch.Generator().manual_seed(batch * 1000 + d)
+    bs, h, kvh = 16, 9, 3
+    lens = torch.randint(1, max_len + 1, (batch,), generator=g)
+    lens[0] = max_len
+    nblk = -(-max_len // bs)
+    nb = batch * nblk + 8
+    table = torch.randperm(nb, generator=g)[: batch * nblk].view(batch, nblk)
+    kc = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
+    q = (torch.randn(batch, h, d, generator=g) * 2).to(dtype)
+    out = torch.ops.kvmesh.paged_decode_attention(q, kc, vc, table, lens, d**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), _decode_reference(q, kc, vc, table, lens, d**-0.5), rtol=tol, atol=tol)
+
+
+def test_paged_decode_kernel_refuses_bad_input():
+    if not cpu_kernels.load():
+        pytest.fail("C++ CPU kernels failed to build on this machine")
+    kc = torch.zeros(4, 16, 1, 8)
+    with pytest.raises(RuntimeError, match="at least one context token"):
+        torch.ops.kvmesh.paged_decode_attention(torch.zeros(1, 1, 8), kc, kc, torch.zeros(1, 1, dtype=torch.long),
+                                                torch.zeros(1, dtype=torch.long), 1.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.kvmesh.paged_decode_attention(torch.zeros(1, 1, 8, dtype=torch.bfloat16), kc, kc,
+                                                torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)

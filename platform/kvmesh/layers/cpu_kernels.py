@@ -22,6 +22,21 @@ _state: dict[str, bool] = {}
 FUSED_OPS = ("rms_norm", "add_rms_norm", "rope_qkv", "silu_and_mul")
 
 
+def isa() -> str:
+    """The widest vector ISA the kernels use on this CPU (they are built with -march=native,
+    so this is decided on the machine that runs them): avx512, avx2 or generic."""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    words = set(flags.split())
+    if "avx512f" in words:
+        return "avx512"
+    if {"avx2", "fma", "f16c"} <= words:
+        return "avx2"
+    return "generic"
+
+
 def load() -> bool:
     """Load (building if needed) the kernels; True when torch.ops.kvmesh is usable."""
     with _lock:
@@ -34,7 +49,9 @@ def load() -> bool:
 
                 csrc = Path(__file__).parent / "csrc"
                 build(
-                    name="kvmesh_cpu_kernels",
+                    # One build per ISA: a cache folder shared by machines of different
+                    # CPUs never hands an AVX-512 build to an AVX2-only one.
+                    name=f"kvmesh_cpu_kernels_{isa()}",
                     sources=[str(csrc / "paged_attention.cpp"), str(csrc / "fused_ops.cpp")],
                     # Reassociation lets gcc vectorize the dot-product reductions.
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math",

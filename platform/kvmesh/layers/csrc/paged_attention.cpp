@@ -1,21 +1,195 @@
 // Paged decode attention for CPU: one query token per sequence, keys and values read
-// in place from the paged cache through the block table (no gather copy), exact
-// context lengths (no padding), fp32 accumulation, parallel over (sequence, kv head).
+// in place from the paged cache through the block table (no gather copy, no padding).
 //
 //   out[b, h, :] = softmax(scale * q[b, h, :] . K[b, t, h/G, :] for t < len[b]) @ V[b, :, h/G, :]
 //
-// Shapes: q, out (B, H, D); k_cache, v_cache (num_blocks, block_size, KVH, D) contiguous;
-// block_tables (B, max_blocks) int64; context_lens (B,) int64. G = H / KVH query heads
-// share a KV head and are computed together so each K/V row is loaded once.
+// Shapes: q, out (B, H, D); k_cache, v_cache (num_blocks, block_size, KVH, D) contiguous,
+// float32 / bfloat16 / float16 (the model's dtype); block_tables (B, max_blocks) int64;
+// context_lens (B,) int64. G = H / KVH query heads share a KV head.
+//
+// How it is fast (decode attention is bound by reading the cache once per step):
+// - a task is (sequence, KV head, partition of the context): the G query heads that share
+//   a KV head are computed together, so each K/V row is loaded once for all of them;
+// - one pass over the context in chunks of CHUNK tokens with an online softmax (running
+//   max m, sum l, rescaled accumulator), so K and V rows of a chunk are read back to back
+//   and no score buffer grows with the context;
+// - the ISA is chosen when the kernel is built on the machine (-march=native): AVX-512
+//   (16 lanes), AVX2 + FMA (8 lanes), or portable scalar code; bf16 / fp16 rows widen to
+//   fp32 in registers, accumulation is fp32; exp is a vectorised polynomial (Cephes expf,
+//   ~1 ulp), not a libm call per score;
+// - tasks are scheduled dynamically, longest first; when there are too few (batch-1
+//   decode: one task per KV head) contexts are split into partitions that are merged by
+//   their log-sum-exp afterwards (flash-decoding), so every core has work.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
 #include <vector>
 
 namespace {
+
+// -- a few float-vector operations for the ISA this file is built for ---------------------
+
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int64_t W = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vec vload(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+using vec = __m256;
+constexpr int64_t W = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vec vload(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline float vsum(vec v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#else
+using vec = float;
+constexpr int64_t W = 1;
+inline vec vzero() { return 0.f; }
+inline vec vset1(float x) { return x; }
+template <typename T>
+inline vec vload(const T* p) { return static_cast<float>(*p); }
+inline void vstore(float* p, vec v) { *p = v; }
+inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
+inline vec vmul(vec a, vec b) { return a * b; }
+inline float vsum(vec v) { return v; }
+#endif
+
+// exp(x) for x <= 0 (softmax scores minus their max): Cephes expf, range-reduced by
+// powers of two; written branch-free so the compiler vectorises the loop around it.
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+constexpr int64_t CHUNK = 32;  // tokens per online-softmax update
+
+// Running softmax state of one task: G heads x (max, sum, accumulator of D floats).
+struct Partial {
+  float* m;
+  float* l;
+  float* acc;
+};
+
+// Attend all H query heads `qs` (pre-scaled fp32, H x D) of one sequence over its context
+// tokens [t_begin, t_end); query head x reads KV head x / G. Leaves the unnormalised result
+// in `st`. Whole cache rows (every KV head of a token, contiguous) are read at once: a
+// task per KV head would touch 1/KVH of every row and waste most of each DRAM burst.
+template <typename scalar_t>
+void attend(const float* qs, const scalar_t* kp, const scalar_t* vp, const int64_t* table, int64_t bs,
+            int64_t KVH, int64_t D, int64_t G, int64_t t_begin, int64_t t_end, Partial st, float* scores) {
+  const int64_t H = KVH * G;
+  const int64_t nv = D / W;  // full vectors per row; D % W handled by the scalar tail below
+  const int64_t tail = nv * W;
+  const int64_t row_stride = KVH * D;
+  std::fill(st.m, st.m + H, -INFINITY);
+  std::fill(st.l, st.l + H, 0.f);
+  std::fill(st.acc, st.acc + H * D, 0.f);
+  const scalar_t* krows[CHUNK];
+  const scalar_t* vrows[CHUNK];
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, t_end - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = t0 + j;
+      const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
+      krows[j] = kp + off;
+      vrows[j] = vp + off;
+    }
+    // scores[g, j] = q_g . k_j
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t g = 0; g < H; ++g) {
+        const scalar_t* k = krows[j] + (g / G) * D;
+        const float* q = qs + g * D;
+        vec a0 = vzero(), a1 = vzero();
+        int64_t i = 0;
+        for (; i + 1 < nv; i += 2) {
+          a0 = vfma(vload(q + i * W), vload(k + i * W), a0);
+          a1 = vfma(vload(q + (i + 1) * W), vload(k + (i + 1) * W), a1);
+        }
+        if (i < nv) a0 = vfma(vload(q + i * W), vload(k + i * W), a0);
+        float s = vsum(a0) + vsum(a1);
+        for (int64_t d = tail; d < D; ++d) s += q[d] * static_cast<float>(k[d]);
+        scores[g * CHUNK + j] = s;
+      }
+    }
+    // online softmax: rescale the running state to the new max, exponentiate the chunk
+    for (int64_t g = 0; g < H; ++g) {
+      float* sg = scores + g * CHUNK;
+      float mx = st.m[g];
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) {
+        sg[j] = exp_nonpos(sg[j] - mx);
+        sum += sg[j];
+      }
+      if (mx != st.m[g]) {
+        const float alpha = exp_nonpos(st.m[g] - mx);  // 0 on the first chunk (m = -inf)
+        st.l[g] *= alpha;
+        float* ag = st.acc + g * D;
+        for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+        st.m[g] = mx;
+      }
+      st.l[g] += sum;
+    }
+    // acc[g, :] += p[g, j] * v_j
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t g = 0; g < H; ++g) {
+        const scalar_t* v = vrows[j] + (g / G) * D;
+        const vec p = vset1(scores[g * CHUNK + j]);
+        float* ag = st.acc + g * D;
+        for (int64_t i = 0; i < nv; ++i) vstore(ag + i * W, vfma(p, vload(v + i * W), vload(ag + i * W)));
+        const float ps = scores[g * CHUNK + j];
+        for (int64_t d = tail; d < D; ++d) ag[d] += ps * static_cast<float>(v[d]);
+      }
+    }
+  }
+}
 
 template <typename scalar_t>
 void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
@@ -30,51 +204,73 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+  const int64_t threads = at::get_num_threads();
 
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D), qf(G * D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, h = task % KVH;
-      const int64_t len = lp[b];
-      scores.assign(G * len, 0.f);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qp[(b * H + h * G + g) * D + d]) * fscale;
-      // scores[g, t] = q_g . k_t
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t blk = tp[b * max_blocks + t / bs];
-        const scalar_t* krow = kp + ((blk * bs + t % bs) * KVH + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(krow[d]);
-          scores[g * len + t] = s;
+  // Partition contexts only when sequences alone cannot keep every thread busy (small
+  // batches); a partition is at least kMinPart tokens so the merge stays cheap.
+  constexpr int64_t kMinPart = 128;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lp[b]);
+  int64_t parts = 1;
+  if (B < 4 * threads) parts = std::max<int64_t>(1, std::min((4 * threads + B - 1) / B, max_len / kMinPart));
+  const int64_t part_len = (max_len + parts - 1) / parts;
+
+  // Tasks (sequence, partition), longest first so dynamic scheduling balances ragged batches.
+  struct Task {
+    int64_t b, p, begin, end;
+  };
+  std::vector<Task> tasks;
+  tasks.reserve(B * parts);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t begin = p * part_len, end = std::min(lp[b], begin + part_len);
+      if (begin < end) tasks.push_back({b, p, begin, end});
+    }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& x, const Task& y) { return x.end - x.begin > y.end - y.begin; });
+
+  // State of each (sequence, partition): H heads x {m, l, acc[D]}; l = 0 marks "no tokens".
+  const int64_t slot = H * (2 + D);
+  std::vector<float> state(B * parts * slot, 0.f);
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+
+#pragma omp parallel num_threads(std::min(threads, ntasks))
+  {
+    std::vector<float> qs(H * D), scores(H * CHUNK);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < ntasks; ++i) {
+      const Task& tk = tasks[i];
+      const scalar_t* qrow = qp + tk.b * H * D;
+      for (int64_t x = 0; x < H * D; ++x) qs[x] = static_cast<float>(qrow[x]) * fscale;
+      float* s = state.data() + (tk.b * parts + tk.p) * slot;
+      attend<scalar_t>(qs.data(), kp, vp, tp + tk.b * max_blocks, bs, KVH, D, G, tk.begin, tk.end,
+                       Partial{s, s + H, s + 2 * H}, scores.data());
+    }
+  }
+
+  // Merge the partitions of each sequence by log-sum-exp and normalise.
+  at::parallel_for(0, B, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t b = begin; b < end; ++b) {
+      const float* base = state.data() + b * parts * slot;
+      for (int64_t g = 0; g < H; ++g) {
+        float m = -INFINITY;
+        for (int64_t p = 0; p < parts; ++p)
+          if (base[p * slot + H + g] > 0.f) m = std::max(m, base[p * slot + g]);
+        float l = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p < parts; ++p) {
+          const float* s = base + p * slot;
+          if (!(s[H + g] > 0.f)) continue;
+          const float w = exp_nonpos(s[g] - m);
+          l += w * s[H + g];
+          const float* a = s + 2 * H + g * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * a[d];
         }
+        const float inv = 1.f / l;
+        scalar_t* o = op + (b * H + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[d] * inv);
       }
-      // softmax over t, per query head
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * len;
-        float mx = sg[0];  // len >= 1 always
-        for (int64_t t = 1; t < len; ++t) mx = std::max(mx, sg[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-      }
-      // acc[g, :] = sum_t p[g, t] * v_t
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t blk = tp[b * max_blocks + t / bs];
-        const scalar_t* vrow = vp + ((blk * bs + t % bs) * KVH + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * len + t];
-          float* __restrict__ ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(vrow[d]);
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) op[(b * H + h * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d]);
     }
   });
 }
@@ -84,14 +280,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV cache must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the KV cache must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
   auto qc = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
+  for (int64_t b = 0; b < lens.size(0); ++b)
+    TORCH_CHECK(lens.data_ptr<int64_t>()[b] >= 1, "every sequence needs at least one context token");
   auto out = at::empty_like(qc);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(out, qc, k_cache, v_cache, tables, lens, scale);
-  });
+  switch (q.scalar_type()) {
+    case at::kFloat: decode_kernel<float>(out, qc, k_cache, v_cache, tables, lens, scale); break;
+    case at::kBFloat16: decode_kernel<at::BFloat16>(out, qc, k_cache, v_cache, tables, lens, scale); break;
+    case at::kHalf: decode_kernel<at::Half>(out, qc, k_cache, v_cache, tables, lens, scale); break;
+    default: TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16, not ", q.scalar_type());
+  }
   return out;
 }
 
