@@ -74,7 +74,9 @@ def _workload(w: WorkloadSpec, group: str) -> dict[str, Any]:
     if w.scaling is not None:
         out["autoscaling"] = {"min_replicas": w.scaling.min_replicas, "max_replicas": w.scaling.max_replicas,
                               "target_ongoing_requests": w.scaling.target_ongoing_requests,
-                              "signals": w.scaling.signals}
+                              "signals": w.scaling.signals, "upscale_delay_s": w.scaling.upscale_delay_seconds,
+                              "downscale_delay_s": w.scaling.downscale_delay_seconds,
+                              "look_back_period_s": w.scaling.look_back_period_seconds}
     else:
         out["replicas"] = w.bounds()[0]
     return out
@@ -113,7 +115,8 @@ def to_serving_config(spec: LLMServiceSpec, *, name: str = "kvmesh", namespace: 
     data: dict[str, Any] = {
         "name": name, "model_id": spec.model.name or name, "engine": _engine(spec), "router": router,
         "decode": _workload(spec.decode, "decode"),
-        "slo": {"ttft_s": spec.slo.ttft_seconds, "tpot_s": spec.slo.tpot_seconds},
+        "slo": {"ttft_s": spec.slo.ttft_seconds, "tpot_s": spec.slo.tpot_seconds,
+                "window_s": spec.slo.window_seconds},
         "tracing": {"otlp_endpoint": spec.tracing.otlp_endpoint, "sample_ratio": spec.tracing.sample_ratio,
                     "service_name": name},
         "host": "0.0.0.0",

@@ -108,6 +108,9 @@ class ScalingSpec(_Spec):
     max_replicas: int = _mirror(Autoscaling, "max_replicas")
     target_ongoing_requests: float = _mirror(Autoscaling, "target_ongoing_requests")
     signals: Literal["kvmesh", "ongoing_requests"] = _mirror(Autoscaling, "signals")
+    upscale_delay_seconds: float = _mirror(Autoscaling, "upscale_delay_s")
+    downscale_delay_seconds: float = _mirror(Autoscaling, "downscale_delay_s")
+    look_back_period_seconds: float = _mirror(Autoscaling, "look_back_period_s")
 
     @model_validator(mode="after")
     def _check(self) -> "ScalingSpec":
@@ -224,6 +227,7 @@ class SLOSpec(_Spec):
 
     ttft_seconds: float = _mirror(SLOTargets, "ttft_s")
     tpot_seconds: float = _mirror(SLOTargets, "tpot_s")
+    window_seconds: float = _mirror(SLOTargets, "window_s")
 
 
 class TracingSpec(_Spec):

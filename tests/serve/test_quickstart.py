@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from serve_procs import start_serve, stop_serve
 
 README = Path(__file__).resolve().parents[2] / "README.md"

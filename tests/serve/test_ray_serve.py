@@ -13,8 +13,8 @@ import urllib.request
 import grpc
 import pytest
 import yaml
-
 from serve_procs import free_port, run_kvmesh, start_serve, stop_serve
+
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
 
 PROMPTS = ["The quick brown fox", "Paged attention stores keys", "Continuous batching admits"]
@@ -53,8 +53,8 @@ def serving_config(model, decode_replicas: int) -> dict:
 @pytest.fixture(scope="module")
 def offline(chat_model):
     """Greedy outputs of the engine itself, in this process."""
-    from kvmesh.llm import LLM
     from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.llm import LLM
 
     llm = LLM(model=str(chat_model), max_model_len=256, block_size=4, num_blocks=256)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)

@@ -68,8 +68,17 @@ class Autoscaling(_Base):
     target_ongoing_requests: float = Field(
         8.0, gt=0, description="Requests in flight per replica that autoscaling aims for."
     )
-    upscale_delay_s: float = Field(30.0, ge=0)
-    downscale_delay_s: float = Field(600.0, ge=0)
+    upscale_delay_s: float = Field(
+        30.0, ge=0, description="Seconds a decision to add replicas must hold before Ray acts on it.")
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="Seconds a decision to remove replicas must hold before Ray acts on it.")
+    look_back_period_s: float = Field(
+        30.0, gt=0, description="Seconds over which Ray averages each replica's metrics before the policy "
+        "reads them (Ray Serve's look_back_period_s).")
+    metrics_interval_s: float | None = Field(
+        None, gt=0, description="Seconds between a replica's metric pushes to Ray's controller; None keeps "
+        "Ray's default (10 s; Ray marks the field deprecated in favour of "
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S). Must stay below look_back_period_s.")
     signals: Literal["kvmesh", "ongoing_requests"] = Field(
         "kvmesh", description="kvmesh: scale worker roles on queue depth, KV usage and TTFT / TPOT against the "
         "config's slo; ongoing_requests: Ray Serve's default policy (sees only calls through Ray).")
@@ -78,6 +87,9 @@ class Autoscaling(_Base):
     def _check(self) -> "Autoscaling":
         if self.min_replicas > self.max_replicas:
             raise ValueError("autoscaling.min_replicas must be <= max_replicas")
+        if self.metrics_interval_s is not None and self.metrics_interval_s >= self.look_back_period_s:
+            raise ValueError("autoscaling.metrics_interval_s must be < look_back_period_s (Ray averages pushes "
+                             "over the look-back period)")
         return self
 
     def ray(self, role: str | None = None, slo: "SLOTargets | None" = None) -> dict[str, Any]:
@@ -86,7 +98,10 @@ class Autoscaling(_Base):
             "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
             "target_ongoing_requests": self.target_ongoing_requests,
             "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
+            "look_back_period_s": self.look_back_period_s,
         }
+        if self.metrics_interval_s is not None:  # unset: Ray's default, and no deprecation warning
+            out["metrics_interval_s"] = self.metrics_interval_s
         if self.signals == "kvmesh" and role in WORKER_ROLES and slo is not None:
             out["policy"] = policy_config(role, slo.ttft_s, slo.tpot_s)
         return out
@@ -168,6 +183,9 @@ class SLOTargets(_Base):
 
     ttft_s: float = Field(2.0, gt=0, description="Time to first token, p90, seconds.")
     tpot_s: float = Field(0.1, gt=0, description="Time per output token, p90, seconds.")
+    window_s: float = Field(
+        30.0, gt=0, description="Seconds of finished requests each worker's TTFT / TPOT p90 covers (the "
+        "'recent window' the targets are held over).")
 
 
 class ServingConfig(_Base):

@@ -79,7 +79,7 @@ class WorkerDeployment:
         configure_tracing(cfg.tracing)
         self._loop = LoopThread(f"kvmesh-{role}")
         # TTFT / TPOT of finished requests, for the kvmesh autoscaling policy (record_autoscaling_stats).
-        self._latency = LatencyWindow()
+        self._latency = LatencyWindow(window_s=cfg.slo.window_s)
         # The model loads in a thread of this process; the replica is not ready until it has.
         self.server = self._loop.run(_start_worker(_with_threads(cfg.engine_for(role)), cfg, role, self._latency))
         self.address = f"{_advertised_host(cfg.host)}:{self.server.port}"
