@@ -13,8 +13,9 @@ the weight reordered once into oneDNN's blocked layout (what vLLM's CPU backend 
 with its `onednn_mm` handles): measured ~2x the GFLOP/s of MKL's sgemm or the bmm split
 on prefill-shaped GEMMs here. The reordered copy is made on the first tall forward and
 dropped whenever the module is moved or cast; it doubles the weight memory of the
-dense layers (decode keeps reading the plain weight). Set KVMESH_ONEDNN_LINEAR=0 to
-turn it off.
+dense layers (fp32 decode keeps reading the plain weight). On CPUs that multiply bf16
+natively (AVX512-BF16, AMX) bf16 weights take the oneDNN path for every input, decode
+included. Set KVMESH_ONEDNN_LINEAR=0 to turn it off.
 """
 
 from __future__ import annotations
@@ -58,12 +59,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 _ONEDNN = (os.environ.get("KVMESH_ONEDNN_LINEAR", "1") != "0" and torch.backends.mkldnn.is_available()
            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-# Weight dtypes oneDNN's packed linear serves here (bf16 needs AVX512-BF16 / AMX to pay).
-_ONEDNN_DTYPES = {torch.float32}
+# bf16 GEMMs pay only where the CPU multiplies bf16 natively (AVX512-BF16 dot products or
+# AMX tiles): there oneDNN does twice the fp32 FLOPs per cycle and reads half the bytes.
+# Elsewhere bf16 weights are widened to fp32 inside each GEMM and are slower than fp32.
+NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+# Weight dtypes oneDNN's packed linear serves for tall inputs (prefill chunks).
+_ONEDNN_DTYPES = {torch.float32, torch.bfloat16} if NATIVE_BF16 else {torch.float32}
+# ... and for skinny ones (decode): with native bf16 oneDNN beats the bmm split at every
+# M (measured 2.4x at M = 1); in fp32 the bmm split keeps both cores busy at small M.
+_ONEDNN_SKINNY_DTYPES = {torch.bfloat16} if NATIVE_BF16 else set()
 
 
-def onednn_usable(weight: torch.Tensor) -> bool:
-    return _ONEDNN and weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES
+def onednn_usable(weight: torch.Tensor, rows: int = SKINNY_ROWS + 1) -> bool:
+    """Whether `Linear` runs an input of `rows` rows through oneDNN's packed GEMM."""
+    if not (_ONEDNN and weight.device.type == "cpu"):
+        return False
+    return weight.dtype in (_ONEDNN_DTYPES if rows > SKINNY_ROWS else _ONEDNN_SKINNY_DTYPES)
 
 
 class Linear(torch.nn.Linear):
@@ -73,7 +84,7 @@ class Linear(torch.nn.Linear):
     _packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] > SKINNY_ROWS and onednn_usable(self.weight):
+        if x.dim() == 2 and onednn_usable(self.weight, x.shape[0]):
             if self._packed is None:
                 with torch.no_grad():
                     self._packed = self.weight.detach().to_mkldnn()

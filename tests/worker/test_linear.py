@@ -1,0 +1,50 @@
+"""kvmesh.layers.ops: the CPU GEMM paths (bmm split, oneDNN packed weight) against F.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvmesh.layers import ops
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("rows", [1, 5, ops.SKINNY_ROWS, ops.SKINNY_ROWS + 1, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_reference(dtype, tol, rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    lin = ops.Linear(96, 120, bias=bias).to(dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(120, 96, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(120, generator=g))
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    ref = F.linear(x.double(), lin.weight.double(), lin.bias.double() if bias else None)
+    with torch.inference_mode():
+        out = lin(x)
+    assert out.dtype == dtype and out.shape == (rows, 120)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * 10)
+
+
+def test_packed_weight_follows_edits_and_casts():
+    lin = ops.Linear(32, 48)
+    x = torch.randn(ops.SKINNY_ROWS + 4, 32)
+    with torch.inference_mode():
+        lin(x)
+        with torch.no_grad():
+            lin.weight.mul_(2)
+        lin.invalidate()
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+        lin = lin.to(torch.bfloat16)  # a cast drops the fp32 packed copy
+        torch.testing.assert_close(lin(x.bfloat16()).float(), F.linear(x, lin.weight.float(), lin.bias.float()),
+                                   rtol=3e-2, atol=3e-2)
+
+
+def test_onednn_path_choice():
+    w32, w16 = torch.zeros(8, 8), torch.zeros(8, 8, dtype=torch.bfloat16)
+    if not ops._ONEDNN:
+        assert not ops.onednn_usable(w32, 1000)
+        return
+    assert ops.onednn_usable(w32, ops.SKINNY_ROWS + 1) and not ops.onednn_usable(w32, 1)
+    # bf16 goes through oneDNN only where the CPU multiplies bf16 natively, then at every M
+    assert ops.onednn_usable(w16, 1) == ops.NATIVE_BF16
+    assert ops.onednn_usable(w16, 1000) == ops.NATIVE_BF16
