@@ -1,52 +1,134 @@
 """engine_throughput's results: target verdicts, the markdown summary and the bar chart.
 
 All three read only the JSON-able result dict, so a results file written earlier can be
-re-rendered: ``render_markdown(json.load(f))``.
+re-rendered: ``render_markdown(json.load(f))``. Peers that were skipped (no venv) or failed
+appear as a line with the reason, and their targets as "not measured".
 """
 
 from __future__ import annotations
 
 from _common import md_table
 
-# Targets from the issue.
+# Targets from the issues (16: vLLM and llama.cpp; the earlier ones: transformers and the floor).
+TARGET_VS_VLLM = 1.2
+TARGET_VS_LLAMACPP = 1.0
 TARGET_VS_STATIC = 5.0
 TARGET_VS_BATCH1 = 20.0
 TARGET_STEP_VS_FLOOR = 1.5
+# (kvmesh system, llama.cpp system, precision) pairs of the batch-1 decode table.
+B1_PAIRS = (("kvmesh_f32", "llamacpp_f32", "f32"), ("kvmesh_gguf", "llamacpp_q4_1", "Q4_1"))
 
 
-def summarize(systems: dict, step: dict | None, bandwidth: dict | None, wbytes: int | None) -> dict:
-    """Ratios and target verdicts."""
-    ratios, targets = {}, []
+def _target(name: str, goal: str, value: float | None, met: bool | None, note: str = "") -> dict:
+    return {"name": name, "target": goal, "value": value, "met": met, "note": note}
+
+
+def _not_measured(peers: dict, *keys: str) -> str:
+    """Why a peer's numbers are missing: the first skipped / failed record among `keys`."""
+    for k in keys:
+        rec = peers.get(k)
+        if rec and rec.get("status") != "ok":
+            return f"{k} {rec['status']}: {rec.get('reason', '').splitlines()[0] if rec.get('reason') else '?'}"
+    return "not run"
+
+
+def summarize(systems: dict, step: dict | None, bandwidth: dict | None, wbytes: int | None,
+              b1: dict | None = None, peers: dict | None = None) -> dict:
+    """Ratios and target verdicts (met None = not measured, with a note saying why)."""
+    ratios, targets, peers = {}, [], peers or {}
     kv = systems.get("kvmesh")
+    if kv and "vllm_cpu" in systems:
+        ratios["kvmesh_vs_vllm_cpu"] = r = kv["tok_per_s"] / systems["vllm_cpu"]["tok_per_s"]
+        targets.append(_target("offline throughput vs vLLM CPU (fp32)", f">= {TARGET_VS_VLLM:g}x", r,
+                               r >= TARGET_VS_VLLM))
+    elif kv and peers:
+        targets.append(_target("offline throughput vs vLLM CPU (fp32)", f">= {TARGET_VS_VLLM:g}x", None, None,
+                               _not_measured(peers, "vllm")))
+    b1s = (b1 or {}).get("systems", {})
+    for ours, theirs, prec in B1_PAIRS:
+        name = f"batch-1 decode vs llama.cpp ({prec})"
+        if ours in b1s and theirs in b1s:
+            ratios[f"{ours}_vs_{theirs}"] = r = b1s[ours]["decode_tok_per_s"] / b1s[theirs]["decode_tok_per_s"]
+            targets.append(_target(name, f">= {TARGET_VS_LLAMACPP:g}x", r, r >= TARGET_VS_LLAMACPP))
+        elif b1 is not None:
+            why = _not_measured(peers, "llamacpp", "kvmesh_gguf" if prec == "Q4_1" else "f32_gguf")
+            targets.append(_target(name, f">= {TARGET_VS_LLAMACPP:g}x", None, None, why))
     static = {k: v for k, v in systems.items() if k.startswith("hf_static")}
     if kv and static:
         best = max(static, key=lambda k: static[k]["tok_per_s"])
         ratios["hf_best_static"] = best
-        ratios["kvmesh_vs_hf_best_static"] = kv["tok_per_s"] / static[best]["tok_per_s"]
-        targets.append({"name": f"kvmesh vs best static batch ({systems[best]['label']})",
-                        "target": f">= {TARGET_VS_STATIC:g}x",
-                        "value": ratios["kvmesh_vs_hf_best_static"],
-                        "met": ratios["kvmesh_vs_hf_best_static"] >= TARGET_VS_STATIC})
+        ratios["kvmesh_vs_hf_best_static"] = r = kv["tok_per_s"] / static[best]["tok_per_s"]
+        targets.append(_target(f"kvmesh vs best static batch ({systems[best]['label']})",
+                               f">= {TARGET_VS_STATIC:g}x", r, r >= TARGET_VS_STATIC))
     if kv and "hf_batch1" in systems:
-        ratios["kvmesh_vs_hf_batch1"] = kv["tok_per_s"] / systems["hf_batch1"]["tok_per_s"]
-        targets.append({"name": "kvmesh vs one-at-a-time", "target": f">= {TARGET_VS_BATCH1:g}x",
-                        "value": ratios["kvmesh_vs_hf_batch1"],
-                        "met": ratios["kvmesh_vs_hf_batch1"] >= TARGET_VS_BATCH1})
+        ratios["kvmesh_vs_hf_batch1"] = r = kv["tok_per_s"] / systems["hf_batch1"]["tok_per_s"]
+        targets.append(_target("kvmesh vs one-at-a-time", f">= {TARGET_VS_BATCH1:g}x", r, r >= TARGET_VS_BATCH1))
     floor = None
     if step and bandwidth and wbytes:
         floor_ms = wbytes / (bandwidth["bandwidth_gbps"] * 1e9) * 1e3
-        ratio = step["decode_step_ms_median"] / floor_ms
+        r = step["decode_step_ms_median"] / floor_ms
         floor = {"weight_bytes": wbytes, "bandwidth_gbps": bandwidth["bandwidth_gbps"],
-                 "floor_ms": floor_ms, "step_ms": step["decode_step_ms_median"], "step_vs_floor": ratio}
-        targets.append({"name": "batch-1 decode step vs bandwidth floor",
-                        "target": f"<= {TARGET_STEP_VS_FLOOR:g}x", "value": ratio,
-                        "met": ratio <= TARGET_STEP_VS_FLOOR})
+                 "floor_ms": floor_ms, "step_ms": step["decode_step_ms_median"], "step_vs_floor": r}
+        targets.append(_target("batch-1 decode step vs bandwidth floor", f"<= {TARGET_STEP_VS_FLOOR:g}x", r,
+                               r <= TARGET_STEP_VS_FLOOR))
     return {"ratios": ratios, "floor": floor, "targets": targets}
 
 
+def _verdict(t: dict) -> str:
+    return "not measured" + (f" ({t['note']})" if t.get("note") else "") if t["met"] is None else (
+        "MET" if t["met"] else "MISSED")
+
+
+def _offline_table(res: dict) -> list[str]:
+    systems = res["systems"]
+    kv_tps = systems.get("kvmesh", {}).get("tok_per_s")
+    rows = ([s["label"], f"{s['tok_per_s']:.1f}",
+             "—" if key == "kvmesh" or kv_tps is None else f"{kv_tps / s['tok_per_s']:.2f}x",
+             f"{s['wall_s']:.2f}", len(s.get("wall_s_all", [s["wall_s"]]))]
+            for key, s in systems.items())
+    return md_table(["system", "output tok/s", "kvmesh / it", "wall s (median)", "timed passes"], rows, "lrrrr")
+
+
+def _b1_lines(res: dict) -> list[str]:
+    b1 = res.get("b1_decode")
+    if not b1 or not b1.get("systems"):
+        return []
+    s = b1["systems"]
+    rows = []
+    for ours, theirs, prec in B1_PAIRS:
+        for key in (ours, theirs):
+            if key in s:
+                ratio = "—" if key == ours or ours not in s else \
+                    f"{s[ours]['decode_tok_per_s'] / s[key]['decode_tok_per_s']:.2f}x"
+                rows.append([s[key]["label"], s[key].get("precision", prec), f"{s[key]['decode_tok_per_s']:.1f}", ratio,
+                             f"{s[key]['first_token_s_median'] * 1e3:.1f}"])
+    lines = ["", (f"Batch-1 greedy decode ({b1['prompt_tokens']}-token prompt, {b1['max_tokens']} output tokens, "
+                  f"{b1['threads']} thread(s), median of {b1['repeats']} runs after 1 warm-up; prefill excluded):"),
+             ""]
+    lines += md_table(["system", "precision", "decode tok/s", "kvmesh / it", "first token ms"], rows, "llrrr") + [""]
+    for prec, a in b1.get("agreement", {}).items():
+        text = f"- Greedy agreement {prec}: first {a['common_prefix']} of {a['tokens']} tokens equal"
+        if "first_tokens_equal" in a:
+            text += (f"; first {a['first_tokens_required']} required: "
+                     f"**{'match' if a['first_tokens_equal'] else 'MISMATCH'}**")
+        elif prec == "q4_1":
+            text += " (llama.cpp's Q4_1 kernels quantize activations to Q8: exact equality is not expected)"
+        lines.append(text)
+    return lines
+
+
 def _notes(res: dict) -> list[str]:
-    """The lines under the systems table: baselines' caveats, the step vs the floor, sanity, load."""
+    """The lines under the tables: peers, baselines' caveats, the step vs the floor, targets, sanity."""
     systems, lines, notes = res["systems"], [], []
+    for name, rec in res.get("peers", {}).items():
+        if rec.get("status") != "ok":
+            notes.append(f"{name}: {rec['status']}: {(rec.get('reason') or '').splitlines()[0]}")
+    vm = res.get("peers", {}).get("vllm", {}).get("output_match")
+    if vm:
+        bad = ", ".join(f"#{m['request']} at token {m['first_mismatch']}" for m in vm["mismatches"][:8])
+        notes.append(f"Greedy outputs kvmesh vs vLLM: **{vm['requests_equal']}/{vm['requests_compared']} requests "
+                     f"equal**" + ("" if vm["count_matches"] else " (request counts differ)")
+                     + (f"; differ: {bad}" if bad else ""))
     if "hf_batch1" in systems:
         b1 = systems["hf_batch1"]
         notes.append(f"transformers batch 1 ran on the first {b1['subset_requests']} requests only; its tok/s "
@@ -57,6 +139,7 @@ def _notes(res: dict) -> list[str]:
                      "only the tokens each request asked for count.")
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
+    lines += _b1_lines(res)
     fl = res["summary"]["floor"]
     if fl:
         st = res["decode_step"]
@@ -70,9 +153,10 @@ def _notes(res: dict) -> list[str]:
              f"bandwidth = **{fl['floor_ms']:.2f} ms**; step / floor = **{fl['step_vs_floor']:.2f}x**"),
         ]
     if res["summary"]["targets"]:
-        lines += [""] + md_table(["target", "goal", "measured", "verdict"],
-                                 ([t["name"], t["target"], f"{t['value']:.2f}x", "met" if t["met"] else "MISSED"]
-                                  for t in res["summary"]["targets"]), "lrrl")
+        lines += ["", "Targets:", ""] + md_table(
+            ["target", "goal", "measured", "verdict"],
+            ([t["name"], t["target"], "—" if t["value"] is None else f"{t['value']:.2f}x", _verdict(t)]
+             for t in res["summary"]["targets"]), "lrrl")
     san = res.get("sanity")
     if san:
         verdict = "match" if san["all_match"] else "MISMATCH"
@@ -87,61 +171,77 @@ def _notes(res: dict) -> list[str]:
 
 
 def render_markdown(res: dict) -> str:
-    cfg, systems = res["config"], res["systems"]
-    kv_tps = systems.get("kvmesh", {}).get("tok_per_s")
+    cfg = res["config"]
     title = "Engine throughput" + (" (SMOKE run: numbers are not meaningful)" if res["smoke"] else "")
+    la = res["load_average"]["start"]
+    passes = (f"{cfg.get('warmup_passes', 0)} untimed warm-up pass(es), then {cfg['repeats']} timed pass(es) "
+              f"(median wall time) for kvmesh and vLLM; transformers {cfg.get('hf_repeats', cfg['repeats'])} pass(es).")
     lines = [
         f"# {title}",
         "",
         (f"{res['date']} · {res['model']} float32 · torch {res['torch_version']} · "
          f"transformers {res['transformers_version']} · {cfg['threads']} thread(s) · {res['cpu']}"),
         "",
-        (f"Workload: {cfg['num_requests']} requests, prompts {cfg['prompt_len_range'][0]}-"
-         f"{cfg['prompt_len_range'][1]} tokens ({res['workload']['total_prompt_tokens']} total), outputs "
+        (f"**Load average at start: {la['1min']:.2f} / {la['5min']:.2f} / {la['15min']:.2f}** (1 / 5 / 15 min)"
+         + ("" if res["idle_at_start"] else " — BUSY: do not quote these numbers")),
+        "",
+        (f"Workload{' (' + cfg['preset'] + ')' if cfg.get('preset') else ''}: {cfg['num_requests']} requests, "
+         f"prompts {cfg['prompt_len_range'][0]}-{cfg['prompt_len_range'][1]} tokens "
+         f"({res['workload']['total_prompt_tokens']} total), outputs "
          f"{cfg['output_len_range'][0]}-{cfg['output_len_range'][1]} tokens "
-         f"({res['workload']['total_output_tokens']} total), seed {cfg['seed']}, greedy, EOS ignored. "
-         f"Prompt text: {res['workload']['source']}."),
-        f"The big workload ran {cfg['repeats']} time(s) per system"
-        + (" (median wall time)." if cfg["repeats"] > 1 else "."),
+         f"({res['workload']['total_output_tokens']} total), seed {cfg['seed']}, greedy, EOS ignored, all submitted "
+         f"at once. Prompt text: {res['workload']['source']}."),
+        passes,
         "",
     ]
-    rows = ([s["label"], s["useful_output_tokens"], f"{s['wall_s']:.2f}", f"{s['tok_per_s']:.1f}",
-             "—" if key == "kvmesh" or kv_tps is None else f"{kv_tps / s['tok_per_s']:.2f}x"]
-            for key, s in systems.items())
-    lines += md_table(["system", "useful output tokens", "wall s", "tok/s", "kvmesh speedup vs it"], rows, "lrrrr")
+    lines += _offline_table(res)
     return "\n".join(lines + _notes(res)) + "\n"
 
 
-def plot(plt, res: dict):
-    systems = res["systems"]
-    keys = list(systems)
-    labels = [systems[k]["label"].replace(" (", "\n(").replace("transformers ", "transformers\n") for k in keys]
-    tps = [systems[k]["tok_per_s"] for k in keys]
-    colors = ["tab:orange" if k == "kvmesh" else "tab:gray" for k in keys]
-    kv_tps = systems.get("kvmesh", {}).get("tok_per_s")
-
-    fig, ax = plt.subplots(figsize=(9, 5.2))
-    bars = ax.bar(range(len(keys)), tps, color=colors, edgecolor="black", linewidth=0.6)
-    top = max(tps)
-    for bar, k, v in zip(bars, keys, tps):
-        text = f"{v:.1f} tok/s"
-        if k != "kvmesh" and kv_tps:
-            text += f"\nkvmesh = {kv_tps / v:.1f}x"
-        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + top * 0.015, text,
-                ha="center", va="bottom", fontsize=9, fontweight="bold" if k == "kvmesh" else "normal")
-    ax.set_xticks(range(len(keys)), labels, fontsize=9)
-    ax.set_ylabel("useful output tokens / s")
-    ax.set_ylim(0, top * 1.25)
-    cfg = res["config"]
-    title = (f"{res['model']} float32, {cfg['num_requests']} requests, {cfg['threads']} thread(s)"
-             + ("  [SMOKE]" if res["smoke"] else ""))
-    ax.set_title(title, fontsize=11)
-    fl = res["summary"]["floor"]
-    if fl:
-        fig.text(0.5, 0.01, f"kvmesh batch-1 decode step {fl['step_ms']:.1f} ms vs bandwidth floor "
-                 f"{fl['floor_ms']:.1f} ms ({fl['step_vs_floor']:.2f}x; {fl['bandwidth_gbps']:.1f} GB/s copy)",
-                 ha="center", fontsize=9)
+def _bars(ax, labels: list[str], values: list[float], highlight: list[bool], ratios: list[str], ylabel: str,
+          title: str) -> None:
+    colors = ["tab:orange" if h else "tab:gray" for h in highlight]
+    bars = ax.bar(range(len(values)), values, color=colors, edgecolor="black", linewidth=0.6)
+    top = max(values)
+    for bar, v, h, r in zip(bars, values, highlight, ratios):
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + top * 0.015, f"{v:.1f}" + (f"\n{r}" if r else ""),
+                ha="center", va="bottom", fontsize=8, fontweight="bold" if h else "normal")
+    ax.set_xticks(range(len(values)), labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, top * 1.3)
+    ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
+
+
+def plot(plt, res: dict):
+    systems, cfg = res["systems"], res["config"]
+    b1s = (res.get("b1_decode") or {}).get("systems", {})
+    fig, axes = plt.subplots(1, 2 if b1s else 1, figsize=(14 if b1s else 9, 5.2),
+                             gridspec_kw={"width_ratios": [3, 2]} if b1s else None, squeeze=False)
+    keys = list(systems)
+    kv_tps = systems.get("kvmesh", {}).get("tok_per_s")
+    _bars(axes[0][0],
+          [systems[k]["label"].replace(" (", "\n(").replace("transformers ", "transformers\n") for k in keys],
+          [systems[k]["tok_per_s"] for k in keys], [k == "kvmesh" for k in keys],
+          ["" if k == "kvmesh" or not kv_tps else f"kvmesh = {kv_tps / systems[k]['tok_per_s']:.2f}x" for k in keys],
+          "useful output tokens / s",
+          f"offline: {cfg['num_requests']} requests, {cfg['threads']} thread(s)" + ("  [SMOKE]" if res["smoke"] else ""))
+    if b1s:
+        order = [k for pair in B1_PAIRS for k in pair[:2] if k in b1s]
+        ratio = {}
+        for ours, theirs, _ in B1_PAIRS:
+            if ours in b1s and theirs in b1s:
+                ratio[theirs] = f"kvmesh = {b1s[ours]['decode_tok_per_s'] / b1s[theirs]['decode_tok_per_s']:.2f}x"
+        _bars(axes[0][1], [b1s[k]["label"].replace(" ", "\n", 1) for k in order],
+              [b1s[k]["decode_tok_per_s"] for k in order], [b1s[k].get("system") == "kvmesh" for k in order],
+              [ratio.get(k, "") for k in order], "decode tokens / s", "batch-1 greedy decode")
+    fl = res["summary"]["floor"]
+    la = res["load_average"]["start"]["1min"]
+    foot = f"{res['model']} · load at start {la:.2f}"
+    if fl:
+        foot += (f" · kvmesh decode step {fl['step_ms']:.1f} ms vs bandwidth floor {fl['floor_ms']:.1f} ms "
+                 f"({fl['step_vs_floor']:.2f}x; {fl['bandwidth_gbps']:.1f} GB/s copy)")
+    fig.text(0.5, 0.01, foot, ha="center", fontsize=9)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig

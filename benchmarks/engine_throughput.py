@@ -1,40 +1,46 @@
-"""Offline throughput of the kvmesh engine against Hugging Face transformers `generate`.
+"""Offline throughput of the kvmesh engine against its peers: vLLM CPU, llama.cpp, transformers.
 
-What is measured (one run, one process, same model, float32, same torch thread count):
+What is measured (one run; one system at a time, never two at once; same weights, float32
+unless stated, same thread count ``--threads``):
 
-* **Workload**: 64 requests (``--num-requests``). Prompt lengths are drawn uniformly
-  from 32-512 tokens and output lengths from 16-256 tokens with a fixed seed
-  (``numpy.random.default_rng(0)``). Prompts are windows of real English text: the
-  docstrings of ``torch.nn.modules.module`` and ``transformers.generation.utils``,
-  tokenized with the model's tokenizer, sliced at distinct random offsets (so no two
-  prompts share a prefix and the prefix cache cannot help). Decoding is greedy and
-  EOS is ignored, so every request generates exactly the tokens it asked for.
-* **kvmesh**: all requests are submitted at once to ``LLM.generate`` (continuous
-  batching, chunked prefill). Throughput = sum of output tokens / wall time.
-* **transformers, static batches** of 8 and 32 (requests in arrival order, left
-  padding). A batch runs until its longest request is done
-  (``max_new_tokens`` = the batch's largest output length); only the tokens each
-  request asked for count as useful output.
-* **transformers, one prompt at a time** (batch 1) on the first 8 requests
-  (``--hf-batch1-subset``); its tokens/s is computed on that subset.
-* **Batch-1 decode step** of kvmesh: one request (32-token prompt, 64 output tokens)
-  stepped through ``LLMEngine.step()``; the median step time over the decode steps
-  (the first step, the prefill, is excluded) is compared with the memory-bandwidth
-  floor = weight bytes / copy bandwidth measured in the same run (``dst.copy_(src)``
-  on 256 MiB float32 tensors; bandwidth = 2 * bytes / time since a copy reads and
-  writes).
-* **Sanity**: kvmesh's greedy output for the first 4 requests must equal
-  transformers batch-1 output token for token (recorded, never fatal).
+* **Workload** (``--preset issue16``, the default): 48 requests, prompt lengths uniform in
+  32-384 tokens, output lengths uniform in 16-192 (``numpy.random.default_rng(0)``);
+  ``--preset wide`` is the older 64 requests, 32-512 / 16-256. Prompts are windows of real
+  English text (docstrings of ``torch.nn.modules.module`` and
+  ``transformers.generation.utils``) at distinct random offsets, so no two prompts share a
+  prefix. Greedy, EOS ignored: every request generates exactly the tokens it asked for.
+* **Offline protocol** (kvmesh and vLLM alike): ``--warmup-passes`` (1) untimed passes of the
+  whole workload, then ``--repeats`` (3) timed passes, every request submitted at once
+  (``LLM.generate``), prefix cache reset before each pass; tok/s = requested output tokens /
+  median wall time. The warm-up pass matters: the first full pass runs ~30% slower on both
+  (allocator and oneDNN warm-up), so ratios without it are unfair to whoever runs first.
+* **vLLM CPU** (``--vllm-venv``, default /tmp/vllm-cpu): the same token ids through
+  ``vllm.LLM.generate`` (float32) in a subprocess of that venv (``_vllm_offline.py``), after
+  kvmesh has finished. kvmesh's greedy outputs must equal vLLM's for every request (recorded,
+  never fatal).
+* **transformers** static batches of 8 and 32 (arrival order, left padding, a batch runs to its
+  longest request, only requested tokens count) and batch 1 on the first 8 requests, once
+  each (``--hf-repeats``); kvmesh's first 4 outputs must equal transformers batch 1.
+* **Batch-1 decode vs llama.cpp** (``--llamacpp-venv``, default /tmp/llamacpp-venv): one greedy
+  request, a 32-token text prompt, 128 output tokens (``--b1-llama-tokens``), 1 warm-up run then
+  the median over ``--b1-llama-repeats`` (5) runs of (tokens - 1) / decode time (prefill
+  excluded), at the same precision on both sides: the embedded model's own Q4_1 GGUF (kvmesh
+  ``quantization="gguf"`` vs llama.cpp) and f32 (kvmesh float32 vs an F32 GGUF that llama.cpp's
+  ``convert_hf_to_gguf.py`` makes from kvmesh's float32 folder, cached under the kvmesh cache).
+  Greedy agreement: f32 must agree on the first 16 tokens; Q4_1 only records the common prefix
+  (llama.cpp's Q4_1 kernels quantize activations to Q8, so exact equality is not expected).
+* **Batch-1 decode step** of kvmesh (median engine step of lone decodes) vs the memory-bandwidth
+  floor = weight bytes / copy bandwidth measured in the same run.
+* **Targets** (MET / MISSED): offline >= 1.2x vLLM CPU fp32; batch-1 decode >= llama.cpp at the
+  same precision; >= 5x the best static batch; >= 20x one-at-a-time; step <= 1.5x the floor.
 
-The big workload runs once per system unless ``--repeats`` is given (then the median
-wall time is reported); the batch-1 decode step is a median over all decode steps of
-``--b1-repeats`` runs.
+A peer whose venv is missing is skipped with the reason printed and recorded (``peers`` in the
+JSON); install them with ``../shared/peers/install_vllm_cpu.sh /tmp/vllm-cpu`` and
+``scripts/install_llamacpp.sh /tmp/llamacpp-venv``. Run on idle cores (the script records the
+load average at start and end and warns when the machine is busy)::
 
-Run it on idle cores (check ``cat /proc/loadavg`` first; the script records the load
-average at start and end and warns when the machine is busy)::
-
-    python benchmarks/engine_throughput.py                  # full run, ~15+ min on 2 cores
-    python benchmarks/engine_throughput.py --smoke          # tiny end-to-end check, ~1-2 min
+    python benchmarks/engine_throughput.py --wait-idle 300    # full run, ~20 min on 2 cores
+    python benchmarks/engine_throughput.py --smoke --out-dir /tmp/et   # pipeline check, a few min
 
 Results go to ``benchmarks/results/engine_throughput.{json,md,png}``
 (``engine_throughput_smoke.*`` for ``--smoke``, so real results are never overwritten).
@@ -44,11 +50,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import functools
 import gc
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -56,165 +60,96 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from _common import RESULTS_DIR, check_idle, cpu_flags, cpu_model, load_snapshot, time_calls, write_results
+import kvmesh
+from kvmesh import LLM, SamplingParams
+from kvmesh.checkpoint.embedded import cache_dir, gguf_path
+
+from _common import RESULTS_DIR, check_idle, cpu_flags, cpu_model, load_snapshot, wait_for_idle, write_results
 from _engine_report import plot, render_markdown, summarize
+from _kvmesh_runs import b1_decode, decode_step_time, measure_bandwidth, run_kvmesh, weight_bytes
+from _peer_procs import DEFAULT_LLAMACPP_VENV, DEFAULT_VLLM_VENV, common_prefix, f32_gguf, run_llamacpp, run_vllm
 from _peers import hf_generate, load_hf, run_hf_batch1, run_hf_static, sanity_check
 from _workloads import Workload, make_workload, text_prompt
 
 DEFAULT_OUT_DIR = RESULTS_DIR
-
-
-# -- memory bandwidth and the batch-1 decode step -----------------------------
-
-
-def measure_bandwidth(mib: int = 256, repeats: int = 5) -> dict:
-    """Copy bandwidth: time dst.copy_(src) on `mib` MiB float32 tensors; 2*bytes/median."""
-    n = mib * (1 << 20) // 4
-    src = torch.ones(n, dtype=torch.float32)
-    dst = torch.zeros_like(src)
-    # The warmup also faults the pages in.
-    times = time_calls(functools.partial(dst.copy_, src), repeats, warmup=1)
-    nbytes = n * 4
-    med = statistics.median(times)
-    del src, dst
-    gc.collect()
-    return {
-        "tensor_mib": mib,
-        "repeats": repeats,
-        "copy_times_s": times,
-        "median_copy_s": med,
-        "bandwidth_gbps": 2 * nbytes / med / 1e9,
-    }
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of all parameters; `parameters()` dedups the tied embedding / lm_head."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def decode_step_time(llm, prompt: list[int], max_tokens: int, repeats: int) -> dict:
-    """Time each engine step of a lone request; median over decode steps (prefill excluded)."""
-    from kvmesh import SamplingParams
-
-    engine = llm.engine
-    assert not engine.has_unfinished(), "the engine must be idle for the batch-1 step timing"
-    prefill_s, decode_s = [], []
-    for r in tqdm(range(repeats), desc="kvmesh batch-1 decode steps"):
-        engine.add_request(f"b1-{r}-{time.monotonic_ns()}", prompt,
-                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        steps = []
-        while engine.has_unfinished():
-            t0 = time.perf_counter()
-            engine.step()
-            steps.append(time.perf_counter() - t0)
-        prefill_s.append(steps[0])
-        decode_s.extend(steps[1:])
-    return {
-        "prompt_tokens": len(prompt),
-        "max_tokens": max_tokens,
-        "repeats": repeats,
-        "num_decode_steps": len(decode_s),
-        "prefill_step_ms": [t * 1e3 for t in prefill_s],
-        "decode_step_ms_median": statistics.median(decode_s) * 1e3,
-        "decode_step_ms_mean": statistics.fmean(decode_s) * 1e3,
-        "decode_step_ms_min": min(decode_s) * 1e3,
-        "decode_step_ms_p90": float(np.percentile(decode_s, 90)) * 1e3,
-    }
-
-
-# -- kvmesh -------------------------------------------------------------------
-
-
-def _reset_prefix_cache(llm) -> None:
-    # Only the block pool exposes this; the engine/LLM have no public reset.
-    pool = getattr(llm.engine.kv_manager, "pool", None)
-    if pool is not None and hasattr(pool, "reset_prefix_cache"):
-        pool.reset_prefix_cache()
-
-
-def run_kvmesh(llm, workload: Workload, repeats: int = 1) -> dict:
-    """All requests at once through LLM.generate (continuous batching)."""
-    from kvmesh import SamplingParams
-
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in workload.output_lens]
-    walls, outputs, stats = [], None, []
-    for _ in range(repeats):
-        _reset_prefix_cache(llm)  # repeats (and the step timing) must not hit the prefix cache
-        kv = llm.engine.kv_manager
-        hit0, pre0 = kv.hit_tokens, llm.engine.scheduler.num_preemptions
-        t0 = time.perf_counter()
-        outs = llm.generate(workload.prompts, params, use_tqdm=True)
-        walls.append(time.perf_counter() - t0)
-        stats.append({"prefix_hit_tokens": kv.hit_tokens - hit0,
-                      "preemptions": llm.engine.scheduler.num_preemptions - pre0})
-        outputs = [list(o.outputs[0].token_ids) for o in outs]
-        ttft = [o.metrics.get("ttft_s", float("nan")) for o in outs]
-    lens_ok = all(len(o) == n for o, n in zip(outputs, workload.output_lens))
-    useful = workload.total_output_tokens
-    wall = statistics.median(walls)
-    return {
-        "label": "kvmesh (continuous batching)",
-        "useful_output_tokens": useful,
-        "generated_tokens": sum(len(o) for o in outputs),
-        "output_lengths_as_requested": lens_ok,
-        "wall_s": wall,
-        "wall_s_all": walls,
-        "tok_per_s": useful / wall,
-        "ttft_s_median": statistics.median(ttft),
-        "ttft_s_p90": float(np.percentile(ttft, 90)),
-        "engine_stats": stats,
-        "_outputs": outputs,
-    }
+# name: (requests, prompt range, output range, hf batch sizes, hf batch-1 subset)
+PRESETS = {
+    "issue16": (48, (32, 384), (16, 192), [8, 32], 8),
+    "wide": (64, (32, 512), (16, 256), [8, 32], 8),
+    "smoke": (6, (8, 32), (4, 8), [2, 4], 2),
+}
+F32_AGREEMENT_TOKENS = 16  # f32 llama.cpp must match kvmesh f32 on this many first tokens
 
 
 # -- results ------------------------------------------------------------------
 
 
 def save(res: dict, out_dir: Path, prefix: str) -> tuple[list[Path], str]:
-    """Write <prefix>.json (raw numbers), .md (table) and .png (bar chart); returns (paths, markdown)."""
-    # Raw token lists stay out of the JSON; the .md and .png are drawn from the JSON's data.
+    """Write <prefix>.json (raw numbers), .md (tables) and .png (bars); returns (paths, markdown)."""
+    # Raw token lists of the big workload stay out of the JSON; the .md and .png are drawn from it.
     clean = {**res, "systems": {k: {f: v for f, v in s.items() if f != "_outputs"} for k, s in res["systems"].items()}}
     markdown = render_markdown(clean)
     return write_results(prefix, clean, markdown, plot, out_dir), markdown
 
 
-# -- main ---------------------------------------------------------------------
+# -- arguments ----------------------------------------------------------------
+
+
+def _venv(value: str) -> Path | None:
+    return None if value.lower() in ("", "none", "off") else Path(value)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for both systems (2)")
-    p.add_argument("--num-requests", type=int, default=None, help="requests in the workload (64; smoke 6)")
+    p.add_argument("--threads", type=int, default=2, help="threads for every system (2)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="workload: issue16 (default: 48 requests, prompts 32-384, outputs 16-192), "
+                        "wide (64, 32-512, 16-256), smoke")
+    p.add_argument("--num-requests", type=int, default=None, help="requests in the workload (preset's)")
+    p.add_argument("--prompt-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
+    p.add_argument("--output-range", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
     p.add_argument("--hf-batch1-subset", type=int, default=None,
                    help="requests run one at a time through transformers (8; smoke 2)")
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None, help="static batch sizes (8 32; smoke 2 4)")
-    p.add_argument("--repeats", type=int, default=1, help="runs of the big workload per system (median)")
+    p.add_argument("--warmup-passes", type=int, default=1,
+                   help="untimed passes of the whole workload before the timed ones (kvmesh and vLLM; 1)")
+    p.add_argument("--repeats", type=int, default=None, help="timed passes for kvmesh and vLLM; median (3; smoke 2)")
+    p.add_argument("--hf-repeats", type=int, default=1, help="timed passes per transformers static batch size (1)")
     p.add_argument("--b1-repeats", type=int, default=None, help="runs of the batch-1 step timing (3; smoke 1)")
+    p.add_argument("--b1-llama-tokens", type=int, default=None, help="output tokens of the llama.cpp decode (128)")
+    p.add_argument("--b1-llama-repeats", type=int, default=None, help="timed runs of the llama.cpp decode (5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="local HF folder; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--vllm-venv", type=_venv, default=DEFAULT_VLLM_VENV, help="vLLM CPU venv, or 'none'")
+    p.add_argument("--llamacpp-venv", type=_venv, default=DEFAULT_LLAMACPP_VENV,
+                   help="llama-cpp-python venv (scripts/install_llamacpp.sh), or 'none'")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    p.add_argument("--skip-hf", action="store_true", help="kvmesh only (no transformers baselines, no sanity)")
+    p.add_argument("--skip-hf", action="store_true", help="no transformers baselines (nor their sanity check)")
+    p.add_argument("--wait-idle", type=float, default=0, help="wait up to this many seconds for idle cores first")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny end-to-end check: 6 requests, prompts 8-32, outputs 4-8; "
-                        "writes engine_throughput_smoke.*")
+                   help="tiny end-to-end check (preset smoke, few repeats); writes engine_throughput_smoke.*")
     args = p.parse_args(argv)
-    if args.smoke:
-        defaults = {"num_requests": 6, "hf_batch1_subset": 2, "hf_batch_sizes": [2, 4], "b1_repeats": 1}
-        args.prompt_range, args.output_range, args.b1_prompt, args.b1_tokens = (8, 32), (4, 8), 8, 16
-        args.bandwidth_repeats = 3
-    else:
-        defaults = {"num_requests": 64, "hf_batch1_subset": 8, "hf_batch_sizes": [8, 32], "b1_repeats": 3}
-        args.prompt_range, args.output_range, args.b1_prompt, args.b1_tokens = (32, 512), (16, 256), 32, 64
-        args.bandwidth_repeats = 5
+    args.preset = args.preset or ("smoke" if args.smoke else "issue16")
+    n, prompts, outputs, sizes, subset = PRESETS[args.preset]
+    small = args.smoke
+    defaults = {"num_requests": n, "prompt_range": prompts, "output_range": outputs, "hf_batch_sizes": sizes,
+                "hf_batch1_subset": subset, "repeats": 2 if small else 3, "b1_repeats": 1 if small else 3,
+                "b1_llama_tokens": 16 if small else 128, "b1_llama_repeats": 2 if small else 5}
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    args.prompt_range, args.output_range = tuple(args.prompt_range), tuple(args.output_range)
+    args.b1_prompt, args.b1_tokens = (8, 16) if small else (32, 64)
+    args.bandwidth_repeats = 3 if small else 5
     args.prefix = "engine_throughput_smoke" if args.smoke else "engine_throughput"
     return args
 
 
-def run_peers(args, model_path: Path, workload: Workload, warm: list[int], systems: dict, phases: dict):
+# -- phases -------------------------------------------------------------------
+
+
+def run_hf(args, model_path: Path, workload: Workload, warm: list[int], systems: dict, phases: dict):
     """The transformers baselines into `systems`; returns (sanity check, transformers config)."""
     print("loading transformers model ...", flush=True)
     model, _tok, pad_id = load_hf(model_path)
@@ -222,7 +157,7 @@ def run_peers(args, model_path: Path, workload: Workload, warm: list[int], syste
     hf_generate(model, [warm, warm[:16]], 4, pad_id)  # warmup
     for bs in tqdm(args.hf_batch_sizes, desc="transformers static batching"):
         phases[f"hf_static_b{bs}"] = load_snapshot()
-        systems[f"hf_static_b{bs}"] = r = run_hf_static(model, workload, bs, pad_id, args.repeats)
+        systems[f"hf_static_b{bs}"] = r = run_hf_static(model, workload, bs, pad_id, args.hf_repeats)
         print(f"transformers static batch {bs}: {r['tok_per_s']:.1f} tok/s in {r['wall_s']:.1f} s")
     phases["hf_batch1"] = load_snapshot()
     systems["hf_batch1"] = r = run_hf_batch1(model, workload, args.hf_batch1_subset, pad_id)
@@ -233,36 +168,77 @@ def run_peers(args, model_path: Path, workload: Workload, warm: list[int], syste
     return sanity, hf_info
 
 
+def run_b1_peers(args, model_path: Path, prompt: list[int], b1: dict, peers: dict, phases: dict) -> None:
+    """kvmesh on the embedded GGUF, then llama.cpp on it and on an F32 GGUF; fills b1["systems"]."""
+    ggufs: dict[str, Path] = {}
+    if args.model is None:
+        phases["kvmesh_gguf_b1"] = load_snapshot()
+        try:
+            llm = LLM(progress=False, quantization="gguf", num_threads=args.threads, max_model_len=2048)
+            b1["systems"]["kvmesh_gguf"] = {**b1_decode(llm, prompt, args.b1_llama_tokens, args.b1_llama_repeats,
+                                                        "kvmesh gguf"), "precision": "Q4_1", "system": "kvmesh"}
+            ggufs["q4_1"] = gguf_path()
+            peers["kvmesh_gguf"] = {"status": "ok"}
+            del llm
+            gc.collect()
+        except Exception as e:  # recorded, never fatal
+            peers["kvmesh_gguf"] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
+            print(f"kvmesh gguf: FAILED: {e}")
+    else:
+        peers["kvmesh_gguf"] = {"status": "skipped", "reason": "--model given: the Q4_1 GGUF is the embedded model's"}
+    if args.llamacpp_venv is not None and (args.llamacpp_venv / "bin" / "python").exists():
+        path, why = f32_gguf(model_path, args.llamacpp_venv, cache_dir() / "peers" / f"{model_path.name}-F32.gguf")
+        peers["f32_gguf"] = {"status": "ok", "path": str(path)} if path else {"status": "failed", "reason": why}
+        if path:
+            ggufs["f32"] = path
+        else:
+            print(f"F32 GGUF for llama.cpp: FAILED: {why}")
+    phases["llamacpp"] = load_snapshot()
+    got, peers["llamacpp"] = None, {"status": "skipped", "reason": "no GGUF to run (see kvmesh_gguf, f32_gguf)"}
+    if ggufs or args.llamacpp_venv is None:
+        got, peers["llamacpp"] = run_llamacpp(args.llamacpp_venv, ggufs, prompt, args.b1_llama_tokens,
+                                              args.b1_llama_repeats, args.threads)
+    for name, r in (got or {}).items():
+        b1["systems"][f"llamacpp_{name}"] = {**r, "label": f"llama.cpp {name.upper()}",
+                                             "precision": name.upper(), "system": "llama.cpp"}
+    agreement = {}
+    for prec, ours, theirs in (("f32", "kvmesh_f32", "llamacpp_f32"), ("q4_1", "kvmesh_gguf", "llamacpp_q4_1")):
+        if ours in b1["systems"] and theirs in b1["systems"]:
+            a, b = b1["systems"][ours]["output_ids"], b1["systems"][theirs]["output_ids"]
+            agreement[prec] = {"common_prefix": common_prefix(a, b), "tokens": min(len(a), len(b))}
+    if "f32" in agreement:
+        agreement["f32"]["first_tokens_required"] = F32_AGREEMENT_TOKENS
+        agreement["f32"]["first_tokens_equal"] = agreement["f32"]["common_prefix"] >= min(
+            F32_AGREEMENT_TOKENS, agreement["f32"]["tokens"])
+    b1["agreement"] = agreement
+    for k, s in b1["systems"].items():
+        print(f"batch-1 decode {s['label']}: {s['decode_tok_per_s']:.1f} tok/s")
+
+
 def run_config(args, workload: Workload) -> dict:
     """The run's settings as recorded in the JSON's "config"."""
     return {
-        "threads": args.threads,
-        "torch_num_threads": torch.get_num_threads(),
-        "num_requests": workload.num_requests,
-        "prompt_len_range": list(args.prompt_range),
-        "output_len_range": list(args.output_range),
-        "seed": args.seed,
-        "hf_batch_sizes": args.hf_batch_sizes,
-        "hf_batch1_subset": args.hf_batch1_subset,
-        "repeats": args.repeats,
-        "b1_prompt_tokens": args.b1_prompt,
-        "b1_output_tokens": args.b1_tokens,
-        "b1_repeats": args.b1_repeats,
-        "skip_hf": args.skip_hf,
+        "threads": args.threads, "torch_num_threads": torch.get_num_threads(), "preset": args.preset,
+        "num_requests": workload.num_requests, "prompt_len_range": list(args.prompt_range),
+        "output_len_range": list(args.output_range), "seed": args.seed, "hf_batch_sizes": args.hf_batch_sizes,
+        "hf_batch1_subset": args.hf_batch1_subset, "warmup_passes": args.warmup_passes, "repeats": args.repeats,
+        "hf_repeats": args.hf_repeats, "b1_prompt_tokens": args.b1_prompt, "b1_output_tokens": args.b1_tokens,
+        "b1_repeats": args.b1_repeats, "skip_hf": args.skip_hf,
+        "vllm_venv": str(args.vllm_venv) if args.vllm_venv else None,
+        "llamacpp_venv": str(args.llamacpp_venv) if args.llamacpp_venv else None,
     }
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.wait_idle:
+        print(f"waited {wait_for_idle(args.wait_idle):.0f} s for idle cores", flush=True)
     torch.set_num_threads(args.threads)
     import transformers
 
-    import kvmesh
-    from kvmesh import LLM, SamplingParams
-
     load_start = load_snapshot()
     idle = check_idle(args.threads, load_start["1min"])
-    phases = {}
+    phases, peers = {}, {}
 
     print("loading kvmesh engine ...", flush=True)
     t0 = time.perf_counter()
@@ -271,8 +247,8 @@ def main(argv=None) -> dict:
     kv_load_s = time.perf_counter() - t0
     model_path = Path(llm.engine.model_path)
     workload = make_workload(llm.tokenizer, args.num_requests, args.prompt_range, args.output_range, args.seed)
-    print(f"workload: {workload.num_requests} requests, {workload.total_prompt_tokens} prompt tokens, "
-          f"{workload.total_output_tokens} output tokens; prompts from {workload.source}")
+    print(f"workload ({args.preset}): {workload.num_requests} requests, {workload.total_prompt_tokens} prompt "
+          f"tokens, {workload.total_output_tokens} output tokens; prompts from {workload.source}")
 
     # Warmup (first-call allocations, kernel selection) on ids unrelated to the workload.
     warm = np.random.default_rng(12345).integers(3, 49152, size=24).tolist()
@@ -290,16 +266,32 @@ def main(argv=None) -> dict:
 
     systems: dict[str, dict] = {}
     phases["kvmesh"] = load_snapshot()
-    print("kvmesh: all requests at once ...", flush=True)
-    systems["kvmesh"] = run_kvmesh(llm, workload, args.repeats)
-    print(f"kvmesh: {systems['kvmesh']['tok_per_s']:.1f} tok/s in {systems['kvmesh']['wall_s']:.1f} s")
+    print(f"kvmesh: all requests at once, {args.warmup_passes} warm-up pass(es) + {args.repeats} timed ...")
+    systems["kvmesh"] = run_kvmesh(llm, workload, args.repeats, args.warmup_passes)
+    print(f"kvmesh: {systems['kvmesh']['tok_per_s']:.1f} tok/s (median of {args.repeats}: "
+          + ", ".join(f"{w:.1f}" for w in systems["kvmesh"]["wall_s_all"]) + " s)")
+
+    b1_prompt = text_prompt(llm.tokenizer, 32)
+    b1 = {"prompt_tokens": len(b1_prompt), "max_tokens": args.b1_llama_tokens, "repeats": args.b1_llama_repeats,
+          "threads": args.threads, "prompt_ids": b1_prompt, "systems": {}}
+    phases["kvmesh_f32_b1"] = load_snapshot()
+    b1["systems"]["kvmesh_f32"] = {**b1_decode(llm, b1_prompt, args.b1_llama_tokens, args.b1_llama_repeats,
+                                               "kvmesh f32"), "precision": "F32", "system": "kvmesh"}
     engine_config = llm.engine.config.model_dump()
     del llm
     gc.collect()
 
+    phases["vllm"] = load_snapshot()
+    vllm_sys, peers["vllm"] = run_vllm(args.vllm_venv, model_path, workload.prompts, workload.output_lens,
+                                       systems["kvmesh"]["_outputs"], args.threads, args.warmup_passes, args.repeats)
+    if vllm_sys is not None:
+        systems["vllm_cpu"] = vllm_sys
+
+    run_b1_peers(args, model_path, b1_prompt, b1, peers, phases)
+
     sanity, hf_info = None, None
     if not args.skip_hf:
-        sanity, hf_info = run_peers(args, model_path, workload, warm, systems, phases)
+        sanity, hf_info = run_hf(args, model_path, workload, warm, systems, phases)
 
     load_end = load_snapshot()
     res = {
@@ -331,9 +323,11 @@ def main(argv=None) -> dict:
         "bandwidth": bandwidth,
         "decode_step": step,
         "systems": systems,
+        "b1_decode": b1,
+        "peers": peers,
         "sanity": sanity,
     }
-    res["summary"] = summarize(systems, step, bandwidth, wbytes)
+    res["summary"] = summarize(systems, step, bandwidth, wbytes, b1, peers)
     paths, markdown = save(res, args.out_dir, args.prefix)
     print()
     print(markdown)
