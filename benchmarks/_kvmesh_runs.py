@@ -101,10 +101,8 @@ def b1_decode(llm, prompt: list[int], max_tokens: int, repeats: int, label: str)
 
 
 def _reset_prefix_cache(llm) -> None:
-    # Only the block pool exposes this; the engine/LLM have no public reset.
-    pool = getattr(llm.engine.kv_manager, "pool", None)
-    if pool is not None and hasattr(pool, "reset_prefix_cache"):
-        pool.reset_prefix_cache()
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("prefix cache not reset: a request still holds KV blocks")
 
 
 def run_kvmesh(llm, workload: Workload, repeats: int = 1, warmup_passes: int = 1) -> dict:

@@ -30,6 +30,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt prefixes (as vLLM's `LLM.reset_prefix_cache`); True if done."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[list[int]],

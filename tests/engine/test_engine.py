@@ -50,6 +50,21 @@ def test_prefix_hit_counts_computed_tokens(llm):
     assert eng.num_free_blocks == eng.num_usable_blocks
 
 
+def test_reset_prefix_cache_forgets_prefixes_only_when_idle(llm):
+    eng = llm.engine
+    p = _prompt(32, 7)
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.generate(p, greedy)
+    assert llm.generate(p, greedy)[0].num_cached_tokens > 0
+    rid = eng.add_request("holder", _prompt(9, 8), greedy)
+    eng.step()
+    assert llm.reset_prefix_cache() is False  # a running request holds blocks
+    eng.abort(rid)
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(p, greedy)[0].num_cached_tokens == 0
+    assert eng.num_free_blocks == eng.num_usable_blocks
+
+
 def test_seeded_sampling_independent_of_batch(llm):
     p = _prompt(12, 3)
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)

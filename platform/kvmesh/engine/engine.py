@@ -193,6 +193,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._buffered)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash (vLLM's `reset_prefix_cache`), e.g. between
+        benchmark passes; only possible when no request holds blocks. True if done."""
+        return self.kv_manager.pool.reset_prefix_cache()
+
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks a hold_kv request kept; False if none are held under the id."""
         return self.kv_manager.release(request_id)

@@ -8,14 +8,15 @@ applied on the weight-transposed side, which is on par with or faster than
 `F.linear`. Numerics are those of a plain matmul (different summation tiling only).
 See benchmarks/README.md for the measurements.
 
-`Linear` on CPU runs tall inputs (prefill chunks, M > SKINNY_ROWS) through oneDNN with
-the weight reordered once into oneDNN's blocked layout (what vLLM's CPU backend does
-with its `onednn_mm` handles): measured ~2x the GFLOP/s of MKL's sgemm or the bmm split
-on prefill-shaped GEMMs here. The reordered copy is made on the first tall forward and
-dropped whenever the module is moved or cast; it doubles the weight memory of the
-dense layers (fp32 decode keeps reading the plain weight). On CPUs that multiply bf16
-natively (AVX512-BF16, AMX) bf16 weights take the oneDNN path for every input, decode
-included. Set KVMESH_ONEDNN_LINEAR=0 to turn it off.
+`Linear` on CPU runs every GEMM through oneDNN with the weight reordered once into
+oneDNN's blocked layout for a 64-row batch (`mkldnn._reorder_linear_weight`, what
+torch.compile's mkldnn pass and vLLM's `onednn_mm` handles do): measured 1.2-3x the
+GFLOP/s of the bmm split at decode sizes (M = 4..48) and ~1.1x MKL's sgemm on prefill
+chunks here. The reordered copy is made on the first forward and dropped whenever the
+module is moved or cast; it doubles the weight memory of the dense layers (the plain
+weight stays the parameter: state dict, tied embeddings, quantization read it). bf16
+weights take this path only on CPUs that multiply bf16 natively (AVX512-BF16, AMX).
+Set KVMESH_ONEDNN_LINEAR=0 to use `linear` (the bmm split) instead.
 """
 
 from __future__ import annotations
@@ -63,31 +64,31 @@ _ONEDNN = (os.environ.get("KVMESH_ONEDNN_LINEAR", "1") != "0" and torch.backends
 # AMX tiles): there oneDNN does twice the fp32 FLOPs per cycle and reads half the bytes.
 # Elsewhere bf16 weights are widened to fp32 inside each GEMM and are slower than fp32.
 NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-# Weight dtypes oneDNN's packed linear serves for tall inputs (prefill chunks).
+# Weight dtypes oneDNN's packed GEMM serves, at every batch size.
 _ONEDNN_DTYPES = {torch.float32, torch.bfloat16} if NATIVE_BF16 else {torch.float32}
-# ... and for skinny ones (decode): with native bf16 oneDNN beats the bmm split at every
-# M (measured 2.4x at M = 1); in fp32 the bmm split keeps both cores busy at small M.
-_ONEDNN_SKINNY_DTYPES = {torch.bfloat16} if NATIVE_BF16 else set()
+# Rows the weight's blocked layout is chosen for (oneDNN's batch-size hint). Measured on
+# SmolLM2's shapes with 2 threads: a layout reordered for 64 rows runs M = 4 .. 512 at
+# 1.0-1.6x the GFLOP/s of a plain `to_mkldnn()` weight and 1.2-3x the bmm split; hints
+# of 16 or 512 do as well, a hint of 1 is worse everywhere.
+PACK_HINT_ROWS = 64
 
 
-def onednn_usable(weight: torch.Tensor, rows: int = SKINNY_ROWS + 1) -> bool:
-    """Whether `Linear` runs an input of `rows` rows through oneDNN's packed GEMM."""
-    if not (_ONEDNN and weight.device.type == "cpu"):
-        return False
-    return weight.dtype in (_ONEDNN_DTYPES if rows > SKINNY_ROWS else _ONEDNN_SKINNY_DTYPES)
+def onednn_usable(weight: torch.Tensor) -> bool:
+    """Whether `Linear` runs its GEMMs through oneDNN with a packed weight."""
+    return _ONEDNN and weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES
 
 
 class Linear(torch.nn.Linear):
-    """nn.Linear whose forward uses `linear` above (same parameters and state dict), and
-    oneDNN with a reordered weight for tall CPU inputs."""
+    """nn.Linear (same parameters and state dict) whose CPU forward runs oneDNN on a
+    reordered copy of the weight, or `linear` above where oneDNN does not serve the dtype."""
 
     _packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and onednn_usable(self.weight, x.shape[0]):
+        if x.dim() == 2 and onednn_usable(self.weight):
             if self._packed is None:
                 with torch.no_grad():
-                    self._packed = self.weight.detach().to_mkldnn()
+                    self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_HINT_ROWS)
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
 
