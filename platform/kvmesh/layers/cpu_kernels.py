@@ -8,6 +8,7 @@ PyTorch reference path: the kernels are an optimization, never a requirement.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -48,10 +49,12 @@ def load() -> bool:
                 from torch.utils.cpp_extension import load as build
 
                 csrc = Path(__file__).parent / "csrc"
+                # One build per ISA and per source version (headers included, which torch's
+                # own change detection does not hash): a cache folder shared by machines of
+                # different CPUs never hands an AVX-512 build to an AVX2-only one.
+                digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(csrc.glob("*.[ch]*")))).hexdigest()
                 build(
-                    # One build per ISA: a cache folder shared by machines of different
-                    # CPUs never hands an AVX-512 build to an AVX2-only one.
-                    name=f"kvmesh_cpu_kernels_{isa()}",
+                    name=f"kvmesh_cpu_kernels_{isa()}_{digest[:10]}",
                     sources=[str(csrc / "paged_attention.cpp"), str(csrc / "fused_ops.cpp")],
                     # Reassociation lets gcc vectorize the dot-product reductions.
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math",

@@ -35,6 +35,8 @@
 #include <numeric>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
 // -- a few float-vector operations for the ISA this file is built for ---------------------
@@ -88,24 +90,8 @@ inline vec vmul(vec a, vec b) { return a * b; }
 inline float vsum(vec v) { return v; }
 #endif
 
-// exp(x) for x <= 0 (softmax scores minus their max): Cephes expf, range-reduced by
-// powers of two; written branch-free so the compiler vectorises the loop around it.
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+// exp of softmax scores minus their max (<= 0): vectorised polynomial, see vec_math.h.
+inline float exp_nonpos(float x) { return kvmesh_vec::exp_approx(x); }
 
 constexpr int64_t CHUNK = 32;  // tokens per online-softmax update
 
