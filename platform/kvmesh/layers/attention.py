@@ -106,10 +106,12 @@ class TorchAttentionBackend:
                 continue
             n = -(-s.ctx_len // bs)
             tables.append(torch.tensor(s.block_ids[:n], dtype=torch.int64, device=self.device))
-            # query i (position start_pos + i) sees keys j <= start_pos + i
+            # query i (position start_pos + i) sees keys j <= start_pos + i; an additive
+            # float mask (a boolean one keeps SDPA on its slow math path on CPU)
             q_pos = torch.arange(s.start_pos, s.ctx_len, device=self.device)[:, None]
             k_pos = torch.arange(s.ctx_len, device=self.device)[None, :]
-            masks.append(k_pos <= q_pos)
+            masks.append(torch.zeros(q_pos.shape[0], s.ctx_len, device=self.device)
+                         .masked_fill_(k_pos > q_pos, float("-inf")))
         return AttentionMetadata(
             slot_mapping, num_decodes, decode_table, decode_mask, decode_lens, prefills, tables, masks
         )
@@ -128,17 +130,25 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        group = q.shape[1] // kvh
         for s, table, mask in zip(meta.prefills, meta.prefill_block_tables, meta.prefill_masks):
             sl = slice(s.q_start, s.q_start + s.q_len)
-            qs = q[sl].transpose(0, 1)  # (H, L, D)
+            # SDPA's fused (flash) kernels take 4-D (1, H, L, D) inputs with K/V repeated per
+            # query head; 3-D inputs or enable_gqa fall back to its math path (2.7x slower
+            # on a 384-token prefill here).
+            qs = q[sl].transpose(0, 1)[None]
             if table is None:
-                ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+                ks, vs = k[sl], v[sl]  # (L, KVH, D)
             else:
-                ks = k_cache.index_select(0, table).flatten(0, 1)[: s.ctx_len].transpose(0, 1)  # (KVH, C, D)
-                vs = v_cache.index_select(0, table).flatten(0, 1)[: s.ctx_len].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[sl] = o.transpose(0, 1)
+                ks = k_cache.index_select(0, table).flatten(0, 1)[: s.ctx_len]  # (C, KVH, D)
+                vs = v_cache.index_select(0, table).flatten(0, 1)[: s.ctx_len]
+            ks = ks.transpose(0, 1).repeat_interleave(group, dim=0)[None]  # (1, H, C, D)
+            vs = vs.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+            if mask is None:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+            out[sl] = o[0].transpose(0, 1)
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
