@@ -83,3 +83,22 @@ def test_pytorch_reference_ops(model_factory, monkeypatch):
 
     monkeypatch.setattr(llama, "fused", lambda x: False)
     _check(model_factory(tie_word_embeddings=True), dict(block_size=4, num_blocks=256, attention_backend="torch"))
+
+
+def test_bf16_engine_within_bf16_tolerance_of_fp32(model_factory):
+    """bf16 weights, activations and KV cache (oneDNN's native-bf16 GEMMs where the CPU has
+    them, the bf16 attention kernels): per-step logits stay within bf16 rounding of
+    transformers in fp32, teacher-forced along the bf16 engine's own greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    path = model_factory()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = build_engine(model=str(path), progress=False, dtype="bfloat16", block_size=4, num_blocks=256)
+    prompts = _prompts(hf.config.vocab_size, (1, 5, 17, 33, 64, 9))
+    tokens, logits = run_collecting_logits(engine, prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0,
+                                                                           ignore_eos=True))
+    for i, prompt in enumerate(prompts):
+        ours = torch.stack(logits[f"r{i}"]).float()
+        assert_logits_close(ours, hf_step_logits(hf, prompt, tokens[f"r{i}"]), rtol=3e-2)
+    assert engine.num_free_blocks == engine.num_usable_blocks
