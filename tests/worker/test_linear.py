@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.layers import ops
+from kvmesh.layers import cpu_kernels, ops
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
@@ -53,3 +53,23 @@ def test_bmm_split_matches_reference():
     for rows in (1, ops.SKINNY_ROWS, 100):
         x = torch.randn(rows, 96, generator=g)
         torch.testing.assert_close(ops.linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features", [1, 7, 8, 64, 131])  # row blocks of 8, their remainders
+def test_skinny_kernel_matches_reference(dtype, tol, rows, out_features):
+    if not cpu_kernels.load():
+        pytest.fail("C++ CPU kernels failed to build on this machine")
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    for k in (576, 37):  # whole vectors, and a scalar tail
+        w = torch.randn(out_features, k, generator=g).to(dtype)
+        b = torch.randn(out_features, generator=g).to(dtype)
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        for bias in (None, b):
+            out = torch.ops.kvmesh.skinny_linear(x, w, bias)
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert out.dtype == dtype
+            torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * 20)
+    with pytest.raises(RuntimeError, match="at most 4 rows"):
+        torch.ops.kvmesh.skinny_linear(torch.zeros(5, 8), torch.zeros(3, 8), None)

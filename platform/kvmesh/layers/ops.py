@@ -26,6 +26,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kvmesh.layers import cpu_kernels
+
 # Inputs with at most this many rows use the weight-major bmm (decode-shaped).
 SKINNY_ROWS = 16
 
@@ -73,6 +75,13 @@ _ONEDNN_DTYPES = {torch.float32, torch.bfloat16} if NATIVE_BF16 else {torch.floa
 PACK_HINT_ROWS = 64
 
 
+# A single fp32 row (batch-1 decode) is a matrix-vector product bound by streaming the
+# weight from DRAM: csrc/skinny_gemm.cpp reads the plain weight at 23-28 GB/s where
+# oneDNN's packed GEMM reaches 18-23 (2 threads, weights out of cache). At 2+ rows, or in
+# bf16, oneDNN is as fast or faster.
+SKINNY_KERNEL_ROWS = 1
+
+
 def onednn_usable(weight: torch.Tensor) -> bool:
     """Whether `Linear` runs its GEMMs through oneDNN with a packed weight."""
     return _ONEDNN and weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES
@@ -85,6 +94,9 @@ class Linear(torch.nn.Linear):
     _packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dim() == 2 and x.shape[0] <= SKINNY_KERNEL_ROWS and self.weight.dtype == torch.float32
+                and cpu_kernels.fused(x)):
+            return torch.ops.kvmesh.skinny_linear(x, self.weight, self.bias)
         if x.dim() == 2 and onednn_usable(self.weight):
             if self._packed is None:
                 with torch.no_grad():

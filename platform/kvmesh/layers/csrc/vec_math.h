@@ -2,10 +2,68 @@
 // libm call per element does not vectorise: it cost softmax and SiLU most of their time).
 #pragma once
 
+#include <ATen/ATen.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <cstdint>
 #include <cstring>
 
 namespace kvmesh_vec {
+
+// -- float vectors of W lanes for the ISA the kernels are built for (-march=native) ----------
+
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int64_t W = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vec vload(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+using vec = __m256;
+constexpr int64_t W = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vec vload(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline float vsum(vec v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#else
+using vec = float;
+constexpr int64_t W = 1;
+inline vec vzero() { return 0.f; }
+inline vec vset1(float x) { return x; }
+template <typename T>
+inline vec vload(const T* p) { return static_cast<float>(*p); }
+inline void vstore(float* p, vec v) { *p = v; }
+inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
+inline vec vmul(vec a, vec b) { return a * b; }
+inline float vsum(vec v) { return v; }
+#endif
+
 
 // exp(x) for x in [-87, 88] (clamped outside): Cephes expf, range-reduced by powers of two,
 // relative error ~2 ulp.
