@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from kvmesh.build import build_parts
 from kvmesh.cli.args import add_engine_args, engine_config
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.router.autoscale import SLO, ScalePolicy
+from kvmesh.router.autoscale import SLO
 from kvmesh.sim import report
-from kvmesh.sim.experiments import autoscale, compare
+from kvmesh.sim.experiments import TUNED_SCALE, autoscale, compare
 from kvmesh.sim.fleet import FleetConfig
 from kvmesh.sim.policies import POLICIES, describe
 from kvmesh.sim.profile import GPU_PROFILES, fit_profile, load_profile, step_features
@@ -37,6 +38,10 @@ def add_parser(sub) -> None:
     r.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT SLO, seconds")
     r.add_argument("--max-num-seqs", type=int, default=128)
     r.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    r.add_argument("--routers", type=int, default=1,
+                   help="router replicas, each with its own approximate prefix index (the exact one is shared)")
+    r.add_argument("--router-spread", choices=["round_robin", "random"], default="round_robin",
+                   help="how requests are spread over the router replicas")
     r.add_argument("--autoscale", action="store_true",
                    help="also replay a diurnal reshaping of the trace with the SLO autoscaler vs fixed fleets")
     r.add_argument("--out", default=".", help="folder for NAME.json, NAME.md, NAME.png")
@@ -58,7 +63,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError(f"no requests in {args.trace} between {args.start_s}s and the slice's end")
     cfg = FleetConfig(num_workers=args.workers, profile=load_profile(args.profile),
                       kv_capacity_tokens=args.kv_capacity_tokens, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens)
+                      max_num_batched_tokens=args.max_num_batched_tokens, num_routers=args.routers,
+                      router_spread=args.router_spread)
     slo = SLO(args.ttft_slo, args.tpot_slo)
     policies = args.policy or POLICIES
     t0 = time.perf_counter()
@@ -70,14 +76,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     runs = compare(trace, cfg, policies, slo, progress=show)
     data = {"trace": str(args.trace), "requests": len(trace), "time_scale": args.time_scale,
-            "slice": [args.start_s, args.duration_s], "workers": args.workers, "profile": cfg.profile.model_dump(),
+            "slice": [args.start_s, args.duration_s], "workers": args.workers, "num_routers": args.routers,
+            "profile": cfg.profile.model_dump(),
             "kv_capacity_tokens": cfg.kv_capacity_tokens or cfg.profile.kv_capacity_tokens,
             "policies": {p: describe(p) for p in policies}, "runs": runs}
     if args.autoscale:
         span = trace[-1].arrival_s
         wave = warp(trace, diurnal(span / 2, 0.5, 2.0))
-        data["autoscale"] = autoscale(wave, cfg, policies[-1], slo, ScalePolicy(1, 2 * args.workers),
-                                      [args.workers // 2, args.workers])
+        scale = replace(TUNED_SCALE, min_replicas=min(TUNED_SCALE.min_replicas, args.workers),
+                        max_replicas=2 * args.workers)
+        data["autoscale"] = autoscale(wave, cfg, policies[-1], slo, scale, [args.workers // 2, args.workers])
     md = report.markdown(runs, f"Fleet simulation: {len(trace)} requests, {args.workers} workers, {cfg.profile.name}",
                          [f"time scale {args.time_scale}, KV capacity {data['kv_capacity_tokens']} tokens/worker",
                           f"SLO: TTFT <= {slo.ttft_s}s and TPOT <= {slo.tpot_s}s"])

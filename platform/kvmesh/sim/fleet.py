@@ -1,17 +1,18 @@
-"""The fleet on a simulated clock: requests arrive from a trace, the router's real
-plugins pick a worker, workers step their real schedulers, Stats polls refresh the
+"""The fleet on a simulated clock: requests arrive from a trace, a router replica's real
+plugins pick a worker (sim.routers), workers step their real schedulers, Stats polls refresh the
 router's view (load, sampled hashes, KV events), an optional autoscaler adds and
 retires replicas.
 
 Events are processed in time order (a heap); at equal times step completions come
 first, then arrivals, then polls and scaling ticks. The run is deterministic: no wall
-clock, no randomness (round-robin and tie rotation are counters).
+clock; round-robin and tie rotation are counters, a random router spread is seeded.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.engine.request import Request
@@ -20,8 +21,9 @@ from kvmesh.router.autoscale import Autoscaler, ScaleSignals
 from kvmesh.router.plugins import RouteRequest, WorkerScheduler
 from kvmesh.sim.metrics import RequestRecord, SimResult, percentile
 from kvmesh.sim.profile import StepProfile
+from kvmesh.sim.routers import RouterTier, Spread
 from kvmesh.sim.trace import TRACE_BLOCK_SIZE, TraceRequest, block_hashes
-from kvmesh.sim.worker import FastForward, SimWorker
+from kvmesh.sim.worker import FastForward, SimHandle, SimWorker
 
 _STEP, _FF, _ARRIVAL, _READY, _POLL, _SCALE = range(6)
 
@@ -42,6 +44,10 @@ class FleetConfig:
     reported_hashes: int = 128
     affinity_capacity: int = 2048
     kv_events: bool = True
+    # Router replicas, each with its own approximate index (sim.routers), and how the load
+    # balancer in front spreads requests over them.
+    num_routers: int = 1
+    router_spread: Spread = "round_robin"
     startup_s: float = 30.0  # a scaled-up replica serves after this long
     scale_interval_s: float = 5.0
     fingerprint: str = "kvmesh-sim"
@@ -53,12 +59,18 @@ class FleetConfig:
 
 
 class Fleet:
-    def __init__(self, cfg: FleetConfig, policy: WorkerScheduler, policy_name: str = "",
+    def __init__(self, cfg: FleetConfig, policy: WorkerScheduler | Sequence[WorkerScheduler], policy_name: str = "",
                  autoscaler: Autoscaler | None = None):
+        """`policy`: one WorkerScheduler per router replica (`cfg.num_routers` of them; a
+        single one when there is one router)."""
         if cfg.profile is None:
             raise ValueError("FleetConfig.profile is required (a GPU_PROFILES entry or a calibrated profile)")
+        policies = [policy] if isinstance(policy, WorkerScheduler) else list(policy)
+        if len(policies) != cfg.num_routers:
+            raise ValueError(f"FleetConfig.num_routers is {cfg.num_routers} but {len(policies)} WorkerScheduler(s) "
+                             "were given: pass one per router replica (each keeps its own state)")
         self.cfg = cfg
-        self.policy = policy
+        self.routers = RouterTier(policies, cfg.affinity_capacity, cfg.router_spread)
         self.policy_name = policy_name
         self.autoscaler = autoscaler
         capacity = cfg.kv_capacity_tokens or cfg.profile.kv_capacity_tokens
@@ -70,6 +82,7 @@ class Fleet:
         self.now = 0.0
         self._records: list[RequestRecord] = []
         self._rec_by_id: dict[str, RequestRecord] = {}
+        self._routed_by: dict[str, SimHandle] = {}  # in flight: the handle of the replica that routed it
         self._recent_first: list[tuple[float, float]] = []  # (time, ttft) in the scaling window
         self._recent_tpot: list[tuple[float, float]] = []
         self.timeline: list[dict] = []
@@ -84,11 +97,11 @@ class Fleet:
     def _add_worker(self, ready_at: float) -> SimWorker:
         c = self.cfg
         w = SimWorker(len(self.workers), "unified", self.num_blocks, c.block_size, c.profile, c.max_num_seqs,
-                      c.max_num_batched_tokens, self.max_model_len, c.fingerprint, c.affinity_capacity,
-                      started_at=self.now)
+                      c.max_num_batched_tokens, self.max_model_len, c.fingerprint, started_at=self.now)
         w.ready_at = ready_at
-        w.poll(c.reported_hashes, c.kv_events)
         self.workers.append(w)
+        self.routers.add_worker(w)
+        self.routers.poll(w, c.reported_hashes, c.kv_events)
         return w
 
     def _serving(self) -> list[SimWorker]:
@@ -144,19 +157,17 @@ class Fleet:
         rid = f"r{i}"
         prompt = [0] * tr.input_length
         hashes = block_hashes(tr.hash_ids[: tr.input_length // c.block_size], c.fingerprint)
-        handle = self.policy.pick(RouteRequest(rid, prompt, hashes, c.block_size),
-                                  [w.handle for w in self._serving()])
+        handle = self.routers.route(RouteRequest(rid, prompt, hashes, c.block_size), self._serving())
         if handle is None:
             rec.rejected = "no serving worker"
             return
         req = Request(rid, prompt, SamplingParams(max_tokens=tr.output_length, ignore_eos=True),
                       arrival_time=tr.arrival_s)
         req.block_hashes = hashes
-        handle.in_flight += 1
-        handle.remember(hashes)
         w = handle.worker
         rec.worker = w.index
         self._rec_by_id[rid] = rec
+        self._routed_by[rid] = handle
         w.add(req)
         if w.ff is not None:
             self._interrupt(w)
@@ -171,7 +182,7 @@ class Fleet:
                 self._recent_first.append((self.now, rec.ttft))
             if res.finished:
                 rec.finish_s = self.now
-                w.handle.in_flight -= 1
+                self._routed_by.pop(res.request.request_id).in_flight -= 1
                 del self._rec_by_id[res.request.request_id]
                 self._recent_tpot.append((self.now, rec.tpot))
         self._kick(w)
@@ -232,7 +243,7 @@ class Fleet:
                 if kind == _POLL:
                     for w in self.workers:
                         if w.stopped_at is None:
-                            w.poll(c.reported_hashes, c.kv_events)
+                            self.routers.poll(w, c.reported_hashes, c.kv_events)
                     self._push(self.now + c.stats_interval_s, _POLL)
                 else:
                     self._scale()
@@ -249,7 +260,8 @@ class Fleet:
                          time.perf_counter() - t0)
 
 
-def simulate(trace: list[TraceRequest], cfg: FleetConfig, policy: WorkerScheduler, policy_name: str = "",
+def simulate(trace: list[TraceRequest], cfg: FleetConfig, policy: WorkerScheduler | Sequence[WorkerScheduler],
+             policy_name: str = "",
              autoscaler: Autoscaler | None = None) -> SimResult:
     """One run of `trace` on a fresh fleet."""
     return Fleet(cfg, policy, policy_name, autoscaler).run(trace)

@@ -59,6 +59,11 @@ def build_policy(name: str, config: RouterConfig | None = None) -> WorkerSchedul
     return WorkerScheduler.from_config(POLICY_CONFIGS[name][1])
 
 
+def build_replicas(name: str, num_routers: int) -> list[WorkerScheduler]:
+    """One WorkerScheduler of a named policy per router replica (each keeps its own state)."""
+    return [build_policy(name) for _ in range(num_routers)]
+
+
 def describe(name: str) -> str:
     return "oracle: reads every worker's cache; oracle 2, queue 1, kv_free 0.5" if name == ORACLE \
         else POLICY_CONFIGS[name][0]

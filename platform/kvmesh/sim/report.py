@@ -32,28 +32,105 @@ def markdown(summaries: list[dict], title: str, notes: list[str] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def sweep_markdown(sweep: dict) -> str:
+    """Goodput (x round robin, SLO met) per policy per arrival-rate multiplier."""
+    policies = list(dict.fromkeys(r["policy"] for r in sweep["rows"]))
+    cell = {(r["multiplier"], r["policy"]): r for r in sweep["rows"]}
+    rows = []
+    for m in sweep["multipliers"]:
+        row = [f"{m:g}x"]
+        for p in policies:
+            r = cell[(m, p)]
+            rel = f"{r['vs_round_robin']:.2f}x, " if r["vs_round_robin"] is not None and p != "round_robin" else ""
+            row.append(f"{r['goodput_rps']:.2f} ({rel}{r['slo_attainment']:.0%})")
+        rows.append(row)
+    peak = ["peak"] + [f"{sweep['peak'][p]['goodput_rps']:.2f} at {sweep['peak'][p]['multiplier']:g}x" for p in policies]
+    return "\n".join(_table(["load", *policies], [*rows, peak])) + "\n"
+
+
+def routers_markdown(rows: list[dict]) -> str:
+    """Hit rate, TTFT, SLO met and goodput per router count and policy."""
+    one = {r["policy"]: r for r in rows if r["routers"] == 1}
+    out = []
+    for r in rows:
+        base = one.get(r["policy"])
+        rel = f"{r['goodput_rps'] / base['goodput_rps']:.2f}x" if base and base["goodput_rps"] else "-"
+        out.append([str(r["routers"]), r["policy"], f"{r['cache_hit_rate']:.3f}", f"{r['ttft_s']['p50']:.2f}",
+                    f"{r['ttft_s']['p90']:.2f}", f"{r['slo_attainment']:.1%}", f"{r['goodput_rps']:.2f}", rel])
+    return "\n".join(_table(["routers", "policy", "hit rate", "TTFT p50 s", "TTFT p90 s", "SLO met",
+                              "goodput req/s", "vs 1 router"], out)) + "\n"
+
+
+def autoscale_markdown(auto: dict, slo_target: float) -> str:
+    """The autoscaled fleet beside fixed fleets: SLO met, worker-seconds, goodput."""
+    rows = [[r["policy"], f"{r['slo_attainment']:.1%}", "yes" if r["slo_attainment"] >= slo_target else "no",
+             f"{r['worker_seconds']:.0f}", f"{r['goodput_rps']:.2f}", f"{r['ttft_s']['p90']:.2f}"]
+            for r in auto["rows"]]
+    return "\n".join(_table(["fleet", "SLO met", f">= {slo_target:.0%}", "worker-seconds", "goodput req/s",
+                              "TTFT p90 s"], rows)) + "\n"
+
+
+def _bars(ax, runs: list[dict], key: str, title: str) -> None:
+    ax.bar([r["policy"] for r in runs], [r[key] for r in runs])
+    ax.set_title(title)
+    ax.tick_params(axis="x", rotation=30)
+
+
+def _sweep(ax, sweep: dict) -> None:
+    for p in dict.fromkeys(r["policy"] for r in sweep["rows"]):
+        pts = [r for r in sweep["rows"] if r["policy"] == p]
+        ax.plot([r["multiplier"] for r in pts], [r["goodput_rps"] for r in pts], marker="o", label=p)
+    ax.set_xlabel("arrival rate (x the trace's)")
+    ax.set_title("goodput at SLO vs load (req/s)")
+    ax.legend(fontsize=8)
+
+
+def _routers(ax, rows: list[dict]) -> None:
+    for p, load in dict.fromkeys((r["policy"], r.get("load")) for r in rows):
+        pts = [r for r in rows if r["policy"] == p and r.get("load") == load]
+        label = p if load is None else f"{p} at {load:g}x load"
+        ax.plot([r["routers"] for r in pts], [r["cache_hit_rate"] for r in pts], marker="o", label=label)
+    ax.set_xlabel("router replicas")
+    ax.set_xticks(sorted({r["routers"] for r in rows}))
+    ax.set_title("prefix-cache hit rate vs router replicas")
+    ax.legend(fontsize=8)
+
+
+def _timeline(ax, timeline: list[dict]) -> None:
+    t = [p["t"] for p in timeline]
+    ax.plot(t, [p["replicas"] for p in timeline], label="replicas")
+    ax2 = ax.twinx()
+    ax2.plot(t, [p["arrival_rps"] for p in timeline], color="gray", alpha=0.5, label="arrivals/s")
+    ax.set_xlabel("simulated s")
+    ax.set_title("autoscaling: replicas vs load")
+    ax.legend(loc="upper left")
+    ax2.legend(loc="upper right")
+
+
 def plot(plt, data: dict):
-    """Hit rate and goodput per policy; replicas vs load when an autoscaling timeline is present."""
+    """Hit rate and goodput per policy, then whichever of goodput vs load, hit rate vs
+    router replicas and replicas vs load (autoscaling) the data holds."""
     runs = data["runs"]
-    timeline = data.get("autoscale", {}).get("timeline")
-    fig, axes = plt.subplots(1, 3 if timeline else 2, figsize=(15 if timeline else 10, 4))
-    names = [r["policy"] for r in runs]
-    axes[0].bar(names, [r["cache_hit_rate"] for r in runs])
-    axes[0].set_title("prefix-cache hit rate")
-    axes[1].bar(names, [r["goodput_rps"] for r in runs])
-    axes[1].set_title(f"goodput at SLO (req/s); TTFT<={runs[0]['slo']['ttft_s']}s, TPOT<={runs[0]['slo']['tpot_s']}s")
-    for ax in axes[:2]:
-        ax.tick_params(axis="x", rotation=30)
-    if timeline:
-        ax = axes[2]
-        t = [p["t"] for p in timeline]
-        ax.plot(t, [p["replicas"] for p in timeline], label="replicas")
-        ax2 = ax.twinx()
-        ax2.plot(t, [p["arrival_rps"] for p in timeline], color="gray", alpha=0.5, label="arrivals/s")
-        ax.set_xlabel("simulated s")
-        ax.set_title("autoscaling: replicas vs load")
-        ax.legend(loc="upper left")
-        ax2.legend(loc="upper right")
+    panels = [lambda ax: _bars(ax, runs, "cache_hit_rate", "prefix-cache hit rate"),
+              lambda ax: _bars(ax, runs, "goodput_rps", f"goodput at SLO (req/s); TTFT<={runs[0]['slo']['ttft_s']}s, "
+                                                        f"TPOT<={runs[0]['slo']['tpot_s']}s")]
+    if data.get("load_sweep"):
+        panels.append(lambda ax: _sweep(ax, data["load_sweep"]))
+    if data.get("routers"):
+        panels.append(lambda ax: _routers(ax, data["routers"]["rows"]))
+    if data.get("autoscale", {}).get("timeline"):
+        panels.append(lambda ax: _timeline(ax, data["autoscale"]["timeline"]))
+    cols = min(len(panels), 3)
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    for ax, draw in zip(axes.flat, panels):
+        draw(ax)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     fig.tight_layout()
     return fig
 

@@ -58,6 +58,13 @@ def load_trace(path: str | Path, start_s: float = 0.0, duration_s: float | None 
     return out
 
 
+def compress(trace: Iterable[TraceRequest], factor: float) -> list[TraceRequest]:
+    """The same requests at `factor` times the arrival rate (arrival times divided by it)."""
+    if factor <= 0:
+        raise ValueError(f"rate factor must be > 0, got {factor}")
+    return [replace(r, arrival_s=r.arrival_s / factor) for r in trace]
+
+
 def warp(trace: Iterable[TraceRequest], multiplier: Callable[[float], float], dt: float = 1.0) -> list[TraceRequest]:
     """Re-time a trace so its arrival rate is multiplied by `multiplier(t)` around time t
     of the output (diurnal waves, bursts), keeping the order of requests: output time T

@@ -1,8 +1,9 @@
 """One simulated worker: kvmesh's real Scheduler, KVCacheManager (prefix cache) and
-KV event log, stepped on a simulated clock with a StepProfile for the step time; and the
-router's view of it, a real `router.registry.WorkerHandle` (it builds no channel until
-its stub is used) whose stats, reported hashes and exact KV index are refreshed by
-simulated Stats polls, so the plugins read exactly what they read in the router.
+KV event log, stepped on a simulated clock with a StepProfile for the step time. Each
+router replica sees it through a real `router.registry.WorkerHandle` (a `SimHandle`: it
+builds no channel until its stub is used) whose stats, reported hashes and exact KV
+index simulated Stats polls refresh (sim.routers), so the plugins read exactly what
+they read in the router.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class SimStats:
 
 
 class SimHandle(WorkerHandle):
-    """The router's handle on a simulated worker (and, for the oracle, the worker itself)."""
+    """A router replica's handle on a simulated worker (and, for the oracle, the worker itself)."""
 
     def __init__(self, worker: SimWorker, affinity_capacity: int):
         super().__init__(worker.address, affinity_capacity)
@@ -58,7 +59,7 @@ class SimHandle(WorkerHandle):
 class SimWorker:
     def __init__(self, index: int, role: str, num_blocks: int, block_size: int, profile: StepProfile,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, fingerprint: str,
-                 affinity_capacity: int, started_at: float = 0.0):
+                 started_at: float = 0.0):
         self.index = index
         self.address = f"sim-{index:03d}:0"
         self.role = role
@@ -66,7 +67,6 @@ class SimWorker:
         self.kv = KVCacheManager(num_blocks, block_size, fingerprint)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.events = KVEventLog(self.kv.pool, epoch=index + 1)
-        self.handle = SimHandle(self, affinity_capacity)
         self.step: SchedulerOutput | None = None  # the step in flight
         self.ff: FastForward | None = None  # or the decode run in flight
         self.started_at = started_at
@@ -144,16 +144,6 @@ class SimWorker:
             r.all_token_ids.extend(pad)
             r.num_computed_tokens += k
         self.num_steps += k
-
-    def poll(self, reported_hashes: int, kv_events: bool) -> None:
-        """What a Stats poll gives the router: load, free blocks, sampled hashes, KV events."""
-        h, s = self.handle, self.scheduler
-        h.stats = SimStats(self.role, s.num_waiting, s.num_running, self.kv.num_free_blocks,
-                           self.kv.num_usable_blocks)
-        h._reported = frozenset(self.kv.pool.cached_block_hashes(reported_hashes))
-        if kv_events:
-            ev = self.events.since(h.kv_index.epoch, h.kv_index.seq)
-            h.kv_index.apply(ev.epoch, ev.seq, ev.reset, ev.stored, ev.removed)
 
     def load(self) -> int:
         return self.scheduler.num_waiting + self.scheduler.num_running
