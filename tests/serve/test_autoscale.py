@@ -33,11 +33,11 @@ def _replicas(n: int) -> list[ReplicaID]:
 
 
 def _ctx(config: AutoscalingConfig, replicas: int, per_replica: dict[str, float], now: float,
-         state: dict | None = None) -> AutoscalingContext:
+         state: dict | None = None, target: int | None = None) -> AutoscalingContext:
     ids = _replicas(replicas)
     return AutoscalingContext(
         deployment_id=DEP, deployment_name="decode", app_name="kvmesh", current_num_replicas=replicas,
-        target_num_replicas=replicas, running_replicas=ids, total_num_requests=0.0, total_queued_requests=0.0,
+        target_num_replicas=replicas if target is None else target, running_replicas=ids, total_num_requests=0.0, total_queued_requests=0.0,
         aggregated_metrics={k: {r: v for r in ids} for k, v in per_replica.items()}, raw_metrics={},
         capacity_adjusted_min_replicas=config.min_replicas, capacity_adjusted_max_replicas=config.max_replicas,
         policy_state=state or {}, last_scale_up_time=None, last_scale_down_time=None, current_time=now,
@@ -115,3 +115,18 @@ def test_latency_window_reads_a_real_engines_finished_requests(tiny_llama):
     assert 0.0 < m[TTFT_P90] and 0.0 < m[TPOT_P90]
     now[0] = 11.0  # the samples age out of the window
     assert window.p90() == (None, None)
+
+
+def test_a_scale_up_still_starting_is_kept_while_the_load_holds():
+    """1 running + 1 starting: a queue in the hold band keeps the target of 2 (answering with
+    the running count made Ray cancel the starting replica and the deployment flap)."""
+    config = _decode_config()
+    policy = _apply_autoscaling_config(_resolve_policy_callable(config.policy))
+    hot = {QUEUE: 5.0, KV_USAGE: 0.1, TTFT_P90: -1.0, TPOT_P90: -1.0}  # 5 waiting / 4 per replica
+    want, state = policy(_ctx(config, 1, hot, now=10.0))
+    assert want == 2
+    steady = {QUEUE: 3.0, KV_USAGE: 0.1, TTFT_P90: -1.0, TPOT_P90: -1.0}  # pressure 0.75: hold
+    want, state = policy(_ctx(config, 1, steady, now=11.0, state=state, target=2))
+    assert want == 2
+    idle = {QUEUE: 0.0, KV_USAGE: 0.0, TTFT_P90: -1.0, TPOT_P90: -1.0}  # the load went away: shrink
+    assert policy(_ctx(config, 1, idle, now=12.0, state=state, target=2))[0] == 1

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvmesh.router.autoscale import SLO, ScalePolicy, ScaleSignals, desired_replicas
+from kvmesh.router.autoscale import SLO, ScalePolicy, ScaleSignals, desired_replicas, pressure
 
 POLICY_IMPORT_PATH = "kvmesh.serve.autoscale:KvmeshAutoscalingPolicy"
 QUEUE = "kvmesh_queue_depth"
@@ -122,6 +122,12 @@ class KvmeshAutoscalingPolicy:
                              max_replicas=max(ctx.capacity_adjusted_max_replicas, ctx.capacity_adjusted_min_replicas),
                              **self.knobs)
         want = desired_replicas(signals, self.slo, policy)
+        if (want == replicas and ctx.target_num_replicas > replicas
+                and pressure(signals, self.slo, policy) >= policy.scale_down_below):
+            # Holding while a scale-up is still starting keeps it: answering with the
+            # running count would cancel the starting replica after the downscale delay,
+            # and under a steady load the deployment would flap and never grow.
+            want = ctx.target_num_replicas
         return want, {"kvmesh_signals": signals.__dict__, "kvmesh_desired": want}
 
 
