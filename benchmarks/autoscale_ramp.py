@@ -308,7 +308,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--low-rate", type=float, default=0.4, help="req/s of the first and last phase")
-    p.add_argument("--high-rate", type=float, default=1.5, help="req/s of the middle phase")
+    p.add_argument("--high-rate", type=float, default=3.0, help="req/s of the middle phase (above one replica's capacity)")
     p.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase")
     p.add_argument("--tail-s", type=float, default=60.0, help="after the ramp, watch at most this long for 1 replica")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT p90 target, seconds")
