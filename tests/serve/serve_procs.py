@@ -7,7 +7,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,3 +75,33 @@ def free_port() -> int:
     from kvmesh.rpc import free_port as fp
 
     return fp()
+
+
+class ClosedLoop:
+    """`clients` threads each calling `request(i)` back to back until stopped, so requests
+    are always in flight (a standing queue when clients outnumber the running slots).
+    `request` returns an error message or None; exceptions are recorded the same way."""
+
+    def __init__(self, request: Callable[[int], str | None], clients: int, join_s: float = 300.0):
+        self.request, self.join_s = request, join_s
+        self.done = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        while not self._stop.is_set():
+            try:
+                error = self.request(i)
+                if error:
+                    self.errors.append(error)
+                self.done += 1
+            except Exception as exc:  # recorded, asserted by the test
+                self.errors.append(repr(exc))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.join_s)

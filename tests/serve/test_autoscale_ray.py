@@ -11,13 +11,12 @@ router to the workers, so Ray counts no ongoing requests on the worker deploymen
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.request
 
 import grpc
 import yaml
-from serve_procs import free_port, start_serve, stop_serve
+from serve_procs import ClosedLoop, free_port, start_serve, stop_serve
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
 
@@ -56,32 +55,14 @@ def unified_workers(http: str) -> int:
         return sum(w["role"] == "unified" and w["healthy"] for w in json.loads(r.read())["workers"])
 
 
-class ClosedLoop:
-    """`clients` threads sending requests back to back until stopped: a standing queue."""
-
-    def __init__(self, address: str, clients: int):
-        self.address = address
-        self.done = 0
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
-        for t in self._threads:
-            t.start()
-
-    def _run(self, i: int) -> None:
-        while not self._stop.is_set():
-            try:
-                msgs = generate(self.address, f"The quick brown fox {i}")
-                if msgs[-1].finish_reason != "length" or msgs[-1].usage.completion_tokens != MAX_TOKENS:
-                    self.errors.append(f"finish {msgs[-1].finish_reason!r}, {msgs[-1].usage.completion_tokens} tokens")
-                self.done += 1
-            except Exception as exc:  # recorded, asserted by the test
-                self.errors.append(repr(exc))
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(180)
+def _request(address: str):
+    """A request function for ClosedLoop: every request runs to MAX_TOKENS."""
+    def request(i: int) -> str | None:
+        msgs = generate(address, f"The quick brown fox {i}")
+        if msgs[-1].finish_reason != "length" or msgs[-1].usage.completion_tokens != MAX_TOKENS:
+            return f"finish {msgs[-1].finish_reason!r}, {msgs[-1].usage.completion_tokens} tokens"
+        return None
+    return request
 
 
 def wait_workers(http: str, n: int, timeout_s: float) -> float:
@@ -100,7 +81,7 @@ def test_unified_replicas_follow_the_queue_up_and_back_down(tiny_llama, tmp_path
                     tmp_path / "serve.log")
     try:
         assert unified_workers(s.http) == 1
-        load = ClosedLoop(s.grpc, CLIENTS)
+        load = ClosedLoop(_request(s.grpc), CLIENTS, join_s=180)
         try:
             wait_workers(s.http, 2, timeout_s=150)
             before = load.done

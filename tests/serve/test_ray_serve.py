@@ -6,14 +6,13 @@ decode replica count is picked up by the router without failing in-flight reques
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.request
 
 import grpc
 import pytest
 import yaml
-from serve_procs import free_port, run_kvmesh, start_serve, stop_serve
+from serve_procs import ClosedLoop, free_port, run_kvmesh, start_serve, stop_serve
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
 
@@ -135,35 +134,17 @@ def test_openai_client_completions_and_chat(served, offline):
     assert "n must be 1" in str(e.value)
 
 
-class Load:
-    """Requests sent back to back from a few threads until stopped: some are always in flight."""
-
-    def __init__(self, address: str, threads: int, max_tokens: int, expected: list[str]):
-        self.address, self.max_tokens, self.expected = address, max_tokens, expected
-        self.done = 0
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def _run(self, i: int) -> None:
-        while not self._stop.is_set():
-            try:
-                msgs, _ = grpc_generate(self.address, PROMPTS[i % len(PROMPTS)], self.max_tokens)
-                if msgs[-1].finish_reason != "length":
-                    self.errors.append(f"finish_reason {msgs[-1].finish_reason!r}")
-                text = "".join(m.text for m in msgs)
-                if not text.startswith(self.expected[i % len(PROMPTS)]):
-                    self.errors.append(f"wrong text {text!r}")
-                self.done += 1
-            except Exception as exc:  # recorded, asserted by the test
-                self.errors.append(repr(exc))
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(300)
+def _checked_request(address: str, max_tokens: int, expected: list[str]):
+    """A request function for ClosedLoop: prompt i's greedy text must start as offline."""
+    def request(i: int) -> str | None:
+        msgs, _ = grpc_generate(address, PROMPTS[i % len(PROMPTS)], max_tokens)
+        if msgs[-1].finish_reason != "length":
+            return f"finish_reason {msgs[-1].finish_reason!r}"
+        text = "".join(m.text for m in msgs)
+        if not text.startswith(expected[i % len(PROMPTS)]):
+            return f"wrong text {text!r}"
+        return None
+    return request
 
 
 def _wait_decoders(http: str, n: int, timeout: float = 300.0) -> None:
@@ -181,7 +162,7 @@ def test_scaling_decode_replicas_without_failing_requests(served, chat_model, of
     for replicas in (2, 1):
         cfg = d / f"serving-{replicas}.yaml"
         cfg.write_text(yaml.safe_dump(serving_config(chat_model, replicas)))
-        load = Load(s.grpc, threads=3, max_tokens=48, expected=offline["texts"])
+        load = ClosedLoop(_checked_request(s.grpc, 48, offline["texts"]), clients=3)
         try:
             out = run_kvmesh(["serve", "--address", "auto", "--config", str(cfg), "--detach",
                               "--port", s.grpc.rsplit(":", 1)[1], "--http-port", s.http.rsplit(":", 1)[1]])
