@@ -8,7 +8,7 @@ handlers (`kopf.adopt`). Objects, all named after the LLMService `<name>`:
                                 serveConfigV2 runs kvmesh.serve.app:build with the ServingConfig
     ConfigMap   <name>-config   the ServingConfig as YAML (what the app runs; for people and tools)
     Service     <name>-grpc     :50051 -> router pods (kvmesh.v1.LLM gRPC)
-    Service     <name>-http     :8000  -> router pods (Ray Serve's HTTP proxy, OpenAI API)
+    Service     <name>-http     :8000  -> router pods (OpenAI API; the router replicas listen)
     Deployment  <name>-redis    only with spec.cache.redis.managed (with --requirepass)
     Service     <name>-redis    only with spec.cache.redis.managed
     NetworkPolicy <name>-workers, <name>-redis   see `security` (which also names the
@@ -185,8 +185,10 @@ def serve_config(cfg: ServingConfig) -> dict[str, Any]:
     counts / autoscaling / resources (ServingConfig.ray_serve_application), so a changed
     replica count scales in place instead of replacing every replica."""
     return {
-        # Proxies on every node: the router pods serve HTTP too (see the -http Service).
-        "proxy_location": "EveryNode",
+        # The -http Service selects the router pods. With http_ingress 'router' (the default)
+        # each router replica listens on the HTTP port itself and Ray Serve runs no proxy;
+        # with 'ray_proxy' a proxy on every node forwards to the router replicas.
+        "proxy_location": "Disabled" if cfg.http_ingress == "router" else "EveryNode",
         "http_options": {"host": "0.0.0.0", "port": cfg.http_port, **_proxy_tls(cfg)},
         "applications": [cfg.ray_serve_application(APP_IMPORT_PATH)],
     }

@@ -51,6 +51,44 @@ def test_concurrent_streams_match_offline(engine):
     assert engine.num_free_blocks == engine.num_usable_blocks
 
 
+def test_every_step_runs_on_one_thread(engine, monkeypatch):
+    """Steps never alternate between threads: an OpenMP team belongs to the thread that
+    starts it, and two teams on two cores take cores from each other."""
+    import threading
+    import time
+
+    threads = set()
+    real_step = engine.step
+
+    def step():
+        threads.add(threading.get_ident())
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+
+    async def main():
+        aeng = AsyncLLMEngine(engine)
+        loop = asyncio.get_running_loop()
+
+        async def consume(i):
+            async for _ in aeng.generate(_prompt(5 + i, i), SamplingParams(max_tokens=6, ignore_eos=True)):
+                await asyncio.sleep(0.001 * i)  # consumers that lag, so the loop idles and wakes
+
+        async def other_blocking_work():  # the process's default executor is busy too
+            while True:
+                await asyncio.gather(*(loop.run_in_executor(None, time.sleep, 0.002) for _ in range(3)))
+
+        other = asyncio.create_task(other_blocking_work())
+        for _ in range(3):
+            await asyncio.gather(*(consume(i) for i in range(4)))
+        other.cancel()
+        await aeng.shutdown()
+
+    asyncio.run(main())
+    assert len(threads) == 1 and threading.get_ident() not in threads
+    assert engine.num_free_blocks == engine.num_usable_blocks
+
+
 def test_cancel_and_break_free_blocks_others_unaffected(engine):
     long = SamplingParams(max_tokens=200, ignore_eos=True)
 

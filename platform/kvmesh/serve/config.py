@@ -202,6 +202,10 @@ class ServingConfig(_Base):
     host: str = Field("127.0.0.1", description="Address the gRPC and HTTP endpoints listen on.")
     grpc_port: int = Field(50051, ge=0, le=65535, description="Public gRPC port (kvmesh.v1.LLM).")
     http_port: int = Field(8000, ge=0, le=65535, description="OpenAI-compatible HTTP port.")
+    http_ingress: Literal["router", "ray_proxy"] = Field(
+        "router", description="Who serves the OpenAI HTTP API under Ray: 'router' (each router replica listens on "
+        "http_port itself, SO_REUSEPORT; Ray Serve runs no proxy) or 'ray_proxy' (Ray Serve's HTTP proxy on every "
+        "node forwards to the router replicas: one more process hop and a Ray message per streamed chunk).")
     transfer_ttl_s: float = Field(30.0, gt=0, description="Seconds prefilled KV waits for its decode pull.")
     registry_ttl_s: float = Field(
         10.0, gt=0, description="A worker that misses heartbeats this long leaves the registry."

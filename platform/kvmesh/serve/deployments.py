@@ -31,7 +31,7 @@ from kvmesh.rpc.tls import TLSFiles
 from kvmesh.serve.autoscale import LatencyWindow, replica_metrics
 from kvmesh.serve.config import ServingConfig
 from kvmesh.serve.loop import LoopThread
-from kvmesh.serve.openai import GrpcBackend, create_app
+from kvmesh.serve.openai import GrpcBackend, create_app, serve_http_in_thread
 from kvmesh.serve.registry import RayActorRegistry, get_registry
 from kvmesh.telemetry.metrics import exposition
 from kvmesh.telemetry.tracing import configure_tracing
@@ -196,7 +196,10 @@ async def _start_router(registry: RayActorRegistry, tokenizer, cfg: ServingConfi
 
 @serve.ingress(_api)
 class RouterDeployment:
-    """The public gRPC router plus the OpenAI HTTP ingress (through Ray Serve's proxy)."""
+    """The public gRPC router plus the OpenAI HTTP API: served by this replica on
+    `http_port` (http_ingress 'router', the default: the path of `serve --local`, no
+    proxy process in between) or reached through Ray Serve's proxy ('ray_proxy', which
+    this class's ingress declaration is for)."""
 
     def __init__(self, config: dict[str, Any], workers: dict[str, Any]):
         self.config = cfg = ServingConfig.model_validate(config)
@@ -210,13 +213,22 @@ class RouterDeployment:
         self.grpc_address = f"{_advertised_host(cfg.host)}:{self.router.port}"
         _STATE["router"] = self.router
         _STATE["backend"] = GrpcBackend(self.router.loopback_address, tokenizer, cfg.model_id)
-        logger.info("kvmesh router: gRPC at %s", self.grpc_address)
+        self._http = None
+        if cfg.http_ingress == "router":
+            sec = cfg.security
+            self._http = serve_http_in_thread(_api, cfg.host, cfg.http_port, ssl_certfile=sec.tls_cert_file,
+                                              ssl_keyfile=sec.tls_key_file, ssl_ca_certs=sec.tls_client_ca_file,
+                                              reuse_port=True)
+        logger.info("kvmesh router: gRPC at %s, HTTP %s", self.grpc_address,
+                    f"on port {cfg.http_port}" if self._http else "through Ray Serve's proxy")
 
     async def check_health(self) -> None:
         if not self._loop.alive():
             raise RuntimeError("router event loop stopped")
 
     def __del__(self) -> None:
+        if getattr(self, "_http", None) is not None:
+            self._http.should_exit = True
         try:
             self._registry.close()
             self._loop.run(self.router.stop(grace=5.0), timeout_s=15)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import socket
 import ssl
 import threading
 import time
@@ -137,18 +138,23 @@ async def models(request: Request):
 
 
 def serve_http_in_thread(app: FastAPI, host: str, port: int, ssl_certfile: str | None = None,
-                         ssl_keyfile: str | None = None, ssl_ca_certs: str | None = None) -> uvicorn.Server:
+                         ssl_keyfile: str | None = None, ssl_ca_certs: str | None = None,
+                         reuse_port: bool = False) -> uvicorn.Server:
     """Run `app` with uvicorn on its own thread and loop (leaves the caller's signal
     handling alone). Returns the uvicorn Server; set `server.should_exit = True` to stop.
     With `ssl_certfile` / `ssl_keyfile` it serves HTTPS (and, with `ssl_ca_certs`,
-    requires client certificates signed by that CA)."""
+    requires client certificates signed by that CA). `reuse_port` binds with
+    SO_REUSEPORT, so several processes of one host (router replicas, an old replica
+    still draining next to its successor) share the port and the kernel spreads the
+    connections over them."""
     tls = {}
     if ssl_certfile:
         tls = {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile}
         if ssl_ca_certs:
             tls.update(ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **tls))
-    thread = threading.Thread(target=server.run, daemon=True, name="kvmesh-http")
+    sockets = [_reuse_port_socket(host, port)] if reuse_port else None
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True, name="kvmesh-http")
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -156,3 +162,17 @@ def serve_http_in_thread(app: FastAPI, host: str, port: int, ssl_certfile: str |
             raise OSError(f"the HTTP server did not start on {host}:{port}; is the port free?")
         time.sleep(0.05)
     return server
+
+
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind the HTTP port {host}:{port}: {exc}") from exc
+    sock.listen(2048)
+    return sock
