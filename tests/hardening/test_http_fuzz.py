@@ -5,7 +5,9 @@ validates as the router does), so this runs in seconds."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -132,5 +134,49 @@ def test_non_streaming_request_is_cancelled_when_the_client_disconnects():
         while slow.cancelled == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert slow.cancelled == 1  # the stream behind the dropped request was closed early
+    finally:
+        server.should_exit = True
+
+
+class _GatedBackend(FakeBackend):
+    """Streams the first token at once and every later one only after `gate` is set."""
+
+    def __init__(self):
+        super().__init__(tokens_per_request=3)
+        self.gate = threading.Event()
+
+    async def _generate(self, request):
+        first = True
+        async for msg in super()._generate(request):
+            if not first:
+                while not self.gate.is_set():
+                    await asyncio.sleep(0.01)
+            first = False
+            yield msg
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}),
+])
+def test_first_token_is_streamed_before_the_second_exists(path, body):
+    """The HTTP layer holds a stream back only until it knows the request did not fail
+    (the first token, after chat's role chunk): never until the second token (TTFT)."""
+    gated = _GatedBackend()
+    server = serve_http_in_thread(create_app(lambda: gated), "127.0.0.1", 0)
+    try:
+        port = server.servers[0].sockets[0].getsockname()[1]
+        with httpx.stream("POST", f"http://127.0.0.1:{port}{path}", json=body, timeout=5) as r:
+            assert r.status_code == 200
+            texts = []
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                text = choice.get("text") or choice.get("delta", {}).get("content")
+                if text:
+                    texts.append(text)
+                    gated.gate.set()  # only now can the backend produce the second token
+        assert texts == ["a", "a", "a"]
     finally:
         server.should_exit = True

@@ -70,7 +70,8 @@ async def chat_completions(body: ChatRequest, request: Request):
     req = build_request(cid, ids, params, body)
     if not body.stream:
         return await until_disconnected(request, _complete(b, body, req, head, original_tokens))
-    return await stream_response(_events(b, body, req, {**head, "object": "chat.completion.chunk"}, original_tokens))
+    return await stream_response(_events(b, body, req, {**head, "object": "chat.completion.chunk"}, original_tokens),
+                                 preamble=1)
 
 
 async def _complete(b: GrpcBackend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],

@@ -117,14 +117,17 @@ _STATUS_OF_CODE = {code.name.lower(): status for code, (status, _) in HTTP_OF_GR
 _STATUS_OF_CODE.update(rate_limit_exceeded=429, unavailable=503)
 
 
-async def stream_response(events: AsyncIterator[str]) -> Response:
+async def stream_response(events: AsyncIterator[str], preamble: int = 0) -> Response:
     """Start the stream, but turn an error before the first token into a plain HTTP
-    error (a bad request must not look like a 200 stream)."""
+    error (a bad request must not look like a 200 stream). `preamble`: events that come
+    before the first token (chat's role chunk); the response starts with the event after
+    them, so the first token is never held back for the second (that cost completions
+    one decode step of TTFT)."""
     first: list[str] = []
     it = events.__aiter__()
     try:
-        first.append(await it.__anext__())
-        first.append(await it.__anext__())
+        for _ in range(preamble + 1):
+            first.append(await it.__anext__())
     except StopAsyncIteration:
         pass
     for chunk in first:
