@@ -89,7 +89,9 @@ def _decode_reference(q, kc, vc, table, lens, scale):
     (1, 64, 1000),   # batch-1 decode: the context is split into partitions merged by log-sum-exp
     (2, 64, 300),    # fewer sequences than 4x threads: partitions of uneven, ragged contexts
     (37, 64, 200),   # many ragged sequences: one task per sequence, several softmax chunks
-    (5, 40, 70),     # head size not a multiple of the vector width: the scalar tail
+    (4, 128, 150),   # head sizes of a whole number of vectors: the register-blocked path
+    (6, 32, 90),
+    (5, 40, 70),     # head size not a multiple of the vector width: the general path, scalar tail
     (3, 8, 33),      # head size below one vector
 ])
 def test_paged_decode_kernel_matches_dense(dtype, tol, batch, d, max_len):
