@@ -12,7 +12,11 @@
 //   a KV head are computed together, so each K/V row is loaded once for all of them;
 // - one pass over the context in chunks of CHUNK tokens with an online softmax (running
 //   max m, sum l, rescaled accumulator), so K and V rows of a chunk are read back to back
-//   and no score buffer grows with the context;
+//   and no score buffer grows with the context; the next chunk's rows are prefetched
+//   (blocks are scattered, the hardware prefetcher stops at each one);
+// - for head sizes of 2 / 4 / 8 / 16 whole vectors, a register-blocked variant keeps a
+//   query head in registers while scoring a chunk and its accumulator while adding the
+//   values (2x the general loop per thread on cached data, 1.3x from DRAM);
 // - the ISA is chosen when the kernel is built on the machine (-march=native): AVX-512
 //   (16 lanes), AVX2 + FMA (8 lanes), or portable scalar code; bf16 / fp16 rows widen to
 //   fp32 in registers, accumulation is fp32; exp is a vectorised polynomial (Cephes expf,
@@ -49,6 +53,18 @@ struct Partial {
   float* acc;
 };
 
+// Software prefetch of `nbytes` from `p` into L2 (no-op without SSE); T1 measured
+// slightly ahead of T0 for the chunk-ahead rows on a cold cache.
+inline void prefetch_bytes(const void* p, int64_t nbytes) {
+#if defined(__SSE__)
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < nbytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+#else
+  (void)p;
+  (void)nbytes;
+#endif
+}
+
 // Attend all H query heads `qs` (pre-scaled fp32, H x D) of one sequence over its context
 // tokens [t_begin, t_end); query head x reads KV head x / G. Leaves the unnormalised result
 // in `st`. Whole cache rows (every KV head of a token, contiguous) are read at once: a
@@ -72,6 +88,16 @@ void attend(const float* qs, const scalar_t* kp, const scalar_t* vp, const int64
       const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
       krows[j] = kp + off;
       vrows[j] = vp + off;
+    }
+    // Blocks sit anywhere in the cache and the hardware prefetcher stops at every block
+    // (and page) boundary: request the next chunk's rows while this one is computed, so
+    // the loads overlap the arithmetic instead of waiting on DRAM one block at a time.
+    const int64_t n_next = std::min(CHUNK, t_end - t0 - n);
+    for (int64_t j = 0; j < n_next; ++j) {
+      const int64_t t = t0 + n + j;
+      const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
+      prefetch_bytes(kp + off, row_stride * static_cast<int64_t>(sizeof(scalar_t)));
+      prefetch_bytes(vp + off, row_stride * static_cast<int64_t>(sizeof(scalar_t)));
     }
     // scores[g, j] = q_g . k_j
     for (int64_t j = 0; j < n; ++j) {
@@ -124,6 +150,102 @@ void attend(const float* qs, const scalar_t* kp, const scalar_t* vp, const int64
   }
 }
 
+// `attend` for rows of exactly NV vectors (D = NV * W: head sizes 32 / 64 / 128 / 256),
+// the common case. Same arithmetic, loops reordered so the hot data stays in registers:
+// a query head's NV vectors while it scores the chunk's keys (one horizontal sum per
+// score, not one per accumulator), and its NV accumulators while it adds the chunk's
+// values (no accumulator load / store per token). The heads sharing a KV head run back
+// to back, so that head's slice of the chunk's rows is read from L1 after the first.
+template <typename scalar_t, int NV>
+void attend_fixed(const float* qs, const scalar_t* kp, const scalar_t* vp, const int64_t* table, int64_t bs,
+                  int64_t KVH, int64_t D, int64_t G, int64_t t_begin, int64_t t_end, Partial st, float* scores) {
+  const int64_t H = KVH * G;
+  const int64_t row_stride = KVH * D;
+  std::fill(st.m, st.m + H, -INFINITY);
+  std::fill(st.l, st.l + H, 0.f);
+  std::fill(st.acc, st.acc + H * D, 0.f);
+  const scalar_t* krows[CHUNK];
+  const scalar_t* vrows[CHUNK];
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, t_end - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = t0 + j;
+      const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
+      krows[j] = kp + off;
+      vrows[j] = vp + off;
+    }
+    const int64_t n_next = std::min(CHUNK, t_end - t0 - n);  // see `attend`
+    for (int64_t j = 0; j < n_next; ++j) {
+      const int64_t t = t0 + n + j;
+      const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
+      prefetch_bytes(kp + off, row_stride * static_cast<int64_t>(sizeof(scalar_t)));
+      prefetch_bytes(vp + off, row_stride * static_cast<int64_t>(sizeof(scalar_t)));
+    }
+    for (int64_t g = 0; g < H; ++g) {
+      const int64_t koff = (g / G) * D;
+      vec q[NV];
+      for (int i = 0; i < NV; ++i) q[i] = vload(qs + g * D + i * W);
+      float* sg = scores + g * CHUNK;
+      for (int64_t j = 0; j < n; ++j) {
+        const scalar_t* k = krows[j] + koff;
+        vec a0 = vmul(q[0], vload(k));
+        vec a1 = NV > 1 ? vmul(q[1], vload(k + W)) : vzero();
+        for (int i = 2; i < NV; i += 2) {
+          a0 = vfma(q[i], vload(k + i * W), a0);
+          if (i + 1 < NV) a1 = vfma(q[i + 1], vload(k + (i + 1) * W), a1);
+        }
+        sg[j] = vsum(vadd(a0, a1));
+      }
+      float mx = st.m[g];
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) {
+        sg[j] = exp_nonpos(sg[j] - mx);
+        sum += sg[j];
+      }
+      float* ag = st.acc + g * D;
+      vec acc[NV];
+      if (mx != st.m[g]) {
+        const float alpha = exp_nonpos(st.m[g] - mx);  // 0 on the first chunk (m = -inf)
+        st.l[g] *= alpha;
+        st.m[g] = mx;
+        const vec va = vset1(alpha);
+        for (int i = 0; i < NV; ++i) acc[i] = vmul(va, vload(ag + i * W));
+      } else {
+        for (int i = 0; i < NV; ++i) acc[i] = vload(ag + i * W);
+      }
+      st.l[g] += sum;
+      for (int64_t j = 0; j < n; ++j) {
+        const scalar_t* v = vrows[j] + koff;
+        const vec p = vset1(sg[j]);
+        for (int i = 0; i < NV; ++i) acc[i] = vfma(p, vload(v + i * W), acc[i]);
+      }
+      for (int i = 0; i < NV; ++i) vstore(ag + i * W, acc[i]);
+    }
+  }
+}
+
+template <typename scalar_t>
+using AttendFn = void (*)(const float*, const scalar_t*, const scalar_t*, const int64_t*, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, Partial, float*);
+
+// The register-blocked `attend_fixed` when the head size is a supported multiple of the
+// vector width, else the general `attend`.
+template <typename scalar_t>
+AttendFn<scalar_t> pick_attend(int64_t D) {
+  if (W > 1 && D % W == 0) {
+    switch (D / W) {
+      case 2: return attend_fixed<scalar_t, 2>;
+      case 4: return attend_fixed<scalar_t, 4>;
+      case 8: return attend_fixed<scalar_t, 8>;
+      case 16: return attend_fixed<scalar_t, 16>;
+      default: break;
+    }
+  }
+  return attend<scalar_t>;
+}
+
 template <typename scalar_t>
 void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                    const at::Tensor& tables, const at::Tensor& lens, double scale) {
@@ -166,6 +288,7 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   const int64_t slot = H * (2 + D);
   std::vector<float> state(B * parts * slot, 0.f);
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  const AttendFn<scalar_t> attend_fn = pick_attend<scalar_t>(D);
 
 #pragma omp parallel num_threads(std::min(threads, ntasks))
   {
@@ -176,8 +299,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
       const scalar_t* qrow = qp + tk.b * H * D;
       for (int64_t x = 0; x < H * D; ++x) qs[x] = static_cast<float>(qrow[x]) * fscale;
       float* s = state.data() + (tk.b * parts + tk.p) * slot;
-      attend<scalar_t>(qs.data(), kp, vp, tp + tk.b * max_blocks, bs, KVH, D, G, tk.begin, tk.end,
-                       Partial{s, s + H, s + 2 * H}, scores.data());
+      attend_fn(qs.data(), kp, vp, tp + tk.b * max_blocks, bs, KVH, D, G, tk.begin, tk.end,
+                Partial{s, s + H, s + 2 * H}, scores.data());
     }
   }
 

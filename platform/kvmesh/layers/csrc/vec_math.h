@@ -31,6 +31,7 @@ inline vec vload(const at::Half* p) {
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 using vec = __m256;
@@ -46,6 +47,7 @@ inline vec vload(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(rei
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline float vsum(vec v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -61,6 +63,7 @@ inline vec vload(const T* p) { return static_cast<float>(*p); }
 inline void vstore(float* p, vec v) { *p = v; }
 inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 inline vec vmul(vec a, vec b) { return a * b; }
+inline vec vadd(vec a, vec b) { return a + b; }
 inline float vsum(vec v) { return v; }
 #endif
 
