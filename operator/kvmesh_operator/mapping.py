@@ -120,6 +120,10 @@ def to_serving_config(spec: LLMServiceSpec, *, name: str = "kvmesh", namespace: 
         "tracing": {"otlp_endpoint": spec.tracing.otlp_endpoint, "sample_ratio": spec.tracing.sample_ratio,
                     "service_name": name},
         "host": "0.0.0.0",
+        # Ray Serve's proxy on every pod serves HTTP under KubeRay: KubeRay's readiness probe of
+        # every worker pod asks the local proxy (localhost:8000/-/healthz), so without proxies
+        # the decode / prefill pods never turn Ready (ray-project/kuberay#4994).
+        "http_ingress": "ray_proxy",
     }
     if spec.prefill is not None:
         data["prefill"] = _workload(spec.prefill, "prefill")

@@ -8,7 +8,7 @@ handlers (`kopf.adopt`). Objects, all named after the LLMService `<name>`:
                                 serveConfigV2 runs kvmesh.serve.app:build with the ServingConfig
     ConfigMap   <name>-config   the ServingConfig as YAML (what the app runs; for people and tools)
     Service     <name>-grpc     :50051 -> router pods (kvmesh.v1.LLM gRPC)
-    Service     <name>-http     :8000  -> router pods (OpenAI API; the router replicas listen)
+    Service     <name>-http     :8000  -> router pods (Ray Serve's HTTP proxy, OpenAI API)
     Deployment  <name>-redis    only with spec.cache.redis.managed (with --requirepass)
     Service     <name>-redis    only with spec.cache.redis.managed
     NetworkPolicy <name>-workers, <name>-redis   see `security` (which also names the
@@ -185,9 +185,9 @@ def serve_config(cfg: ServingConfig) -> dict[str, Any]:
     counts / autoscaling / resources (ServingConfig.ray_serve_application), so a changed
     replica count scales in place instead of replacing every replica."""
     return {
-        # The -http Service selects the router pods. With http_ingress 'router' (the default)
-        # each router replica listens on the HTTP port itself and Ray Serve runs no proxy;
-        # with 'ray_proxy' a proxy on every node forwards to the router replicas.
+        # The -http Service selects the router pods. The operator's configs use http_ingress
+        # 'ray_proxy' (see mapping.to_serving_config): a proxy on every pod forwards to the
+        # router replicas. With 'router' each router replica would listen itself, no proxies.
         "proxy_location": "Disabled" if cfg.http_ingress == "router" else "EveryNode",
         "http_options": {"host": "0.0.0.0", "port": cfg.http_port, **_proxy_tls(cfg)},
         "applications": [cfg.ray_serve_application(APP_IMPORT_PATH)],

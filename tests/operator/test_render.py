@@ -53,8 +53,8 @@ def test_serve_config_runs_the_app_with_the_serving_config(case):
     [app] = serve["applications"]
     assert app["import_path"] == "kvmesh.serve.app:build" and app["name"] == "svc"
     assert serve["http_options"] == {"host": "0.0.0.0", "port": 8000}
-    # The router replicas serve HTTP themselves (http_ingress 'router'): no Ray proxy hop.
-    assert serve["proxy_location"] == "Disabled"
+    # Proxies on every pod: KubeRay's worker readiness probe asks the local proxy.
+    assert serve["proxy_location"] == "EveryNode" and t.serving_config().http_ingress == "ray_proxy"
     cfg = t.serving_config()
     assert cfg.host == "0.0.0.0"
     # args: the config without placement (scaling changes no args); placement per deployment.
