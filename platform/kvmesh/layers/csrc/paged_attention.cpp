@@ -65,6 +65,37 @@ inline void prefetch_bytes(const void* p, int64_t nbytes) {
 #endif
 }
 
+// Empty running state of H heads: max -inf, sum 0, accumulator 0.
+inline void reset_state(Partial st, int64_t H, int64_t D) {
+  std::fill(st.m, st.m + H, -INFINITY);
+  std::fill(st.l, st.l + H, 0.f);
+  std::fill(st.acc, st.acc + H * D, 0.f);
+}
+
+// Points krows / vrows at the cache rows of tokens [t0, t0 + n) through the block table,
+// and prefetches the rows of the following chunk (up to t_end): blocks sit anywhere in the
+// cache and the hardware prefetcher stops at every block (and page) boundary, so the next
+// chunk's loads are requested while this one is computed instead of waiting on DRAM one
+// block at a time.
+template <typename scalar_t>
+inline void chunk_rows(const scalar_t* kp, const scalar_t* vp, const int64_t* table, int64_t bs, int64_t row_stride,
+                       int64_t t0, int64_t n, int64_t t_end, const scalar_t** krows, const scalar_t** vrows) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = t0 + j;
+    const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
+    krows[j] = kp + off;
+    vrows[j] = vp + off;
+  }
+  const int64_t n_next = std::min(CHUNK, t_end - t0 - n);
+  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t j = 0; j < n_next; ++j) {
+    const int64_t t = t0 + n + j;
+    const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
+    prefetch_bytes(kp + off, row_bytes);
+    prefetch_bytes(vp + off, row_bytes);
+  }
+}
+
 // Attend all H query heads `qs` (pre-scaled fp32, H x D) of one sequence over its context
 // tokens [t_begin, t_end); query head x reads KV head x / G. Leaves the unnormalised result
 // in `st`. Whole cache rows (every KV head of a token, contiguous) are read at once: a
@@ -76,29 +107,12 @@ void attend(const float* qs, const scalar_t* kp, const scalar_t* vp, const int64
   const int64_t nv = D / W;  // full vectors per row; D % W handled by the scalar tail below
   const int64_t tail = nv * W;
   const int64_t row_stride = KVH * D;
-  std::fill(st.m, st.m + H, -INFINITY);
-  std::fill(st.l, st.l + H, 0.f);
-  std::fill(st.acc, st.acc + H * D, 0.f);
+  reset_state(st, H, D);
   const scalar_t* krows[CHUNK];
   const scalar_t* vrows[CHUNK];
   for (int64_t t0 = t_begin; t0 < t_end; t0 += CHUNK) {
     const int64_t n = std::min(CHUNK, t_end - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = t0 + j;
-      const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
-      krows[j] = kp + off;
-      vrows[j] = vp + off;
-    }
-    // Blocks sit anywhere in the cache and the hardware prefetcher stops at every block
-    // (and page) boundary: request the next chunk's rows while this one is computed, so
-    // the loads overlap the arithmetic instead of waiting on DRAM one block at a time.
-    const int64_t n_next = std::min(CHUNK, t_end - t0 - n);
-    for (int64_t j = 0; j < n_next; ++j) {
-      const int64_t t = t0 + n + j;
-      const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
-      prefetch_bytes(kp + off, row_stride * static_cast<int64_t>(sizeof(scalar_t)));
-      prefetch_bytes(vp + off, row_stride * static_cast<int64_t>(sizeof(scalar_t)));
-    }
+    chunk_rows(kp, vp, table, bs, row_stride, t0, n, t_end, krows, vrows);
     // scores[g, j] = q_g . k_j
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t g = 0; g < H; ++g) {
@@ -161,26 +175,12 @@ void attend_fixed(const float* qs, const scalar_t* kp, const scalar_t* vp, const
                   int64_t KVH, int64_t D, int64_t G, int64_t t_begin, int64_t t_end, Partial st, float* scores) {
   const int64_t H = KVH * G;
   const int64_t row_stride = KVH * D;
-  std::fill(st.m, st.m + H, -INFINITY);
-  std::fill(st.l, st.l + H, 0.f);
-  std::fill(st.acc, st.acc + H * D, 0.f);
+  reset_state(st, H, D);
   const scalar_t* krows[CHUNK];
   const scalar_t* vrows[CHUNK];
   for (int64_t t0 = t_begin; t0 < t_end; t0 += CHUNK) {
     const int64_t n = std::min(CHUNK, t_end - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = t0 + j;
-      const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
-      krows[j] = kp + off;
-      vrows[j] = vp + off;
-    }
-    const int64_t n_next = std::min(CHUNK, t_end - t0 - n);  // see `attend`
-    for (int64_t j = 0; j < n_next; ++j) {
-      const int64_t t = t0 + n + j;
-      const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
-      prefetch_bytes(kp + off, row_stride * static_cast<int64_t>(sizeof(scalar_t)));
-      prefetch_bytes(vp + off, row_stride * static_cast<int64_t>(sizeof(scalar_t)));
-    }
+    chunk_rows(kp, vp, table, bs, row_stride, t0, n, t_end, krows, vrows);
     for (int64_t g = 0; g < H; ++g) {
       const int64_t koff = (g / G) * D;
       vec q[NV];
