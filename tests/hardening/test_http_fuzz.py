@@ -180,3 +180,29 @@ def test_first_token_is_streamed_before_the_second_exists(path, body):
         assert texts == ["a", "a", "a"]
     finally:
         server.should_exit = True
+
+
+def test_router_replicas_share_the_http_port_with_reuse_port():
+    """Router replicas on one host (or a replica draining next to its successor) bind the
+    same HTTP port with SO_REUSEPORT: both serve, and the port keeps serving when one stops."""
+    from kvmesh.rpc import free_port
+
+    port = free_port()
+    first = serve_http_in_thread(create_app(lambda: FakeBackend()), "127.0.0.1", port, reuse_port=True)
+    second = serve_http_in_thread(create_app(lambda: FakeBackend()), "127.0.0.1", port, reuse_port=True)
+    try:
+        for _ in range(4):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                           timeout=10)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "aa"
+        first.should_exit = True
+        deadline = time.monotonic() + 10
+        while any(srv.sockets for srv in first.servers) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the first server's listening socket is closed
+        assert not any(srv.sockets for srv in first.servers)
+        for _ in range(4):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                           timeout=10)
+            assert r.status_code == 200
+    finally:
+        first.should_exit = second.should_exit = True
