@@ -188,7 +188,7 @@ def serve_config(cfg: ServingConfig) -> dict[str, Any]:
         # The -http Service selects the router pods. The operator's configs use http_ingress
         # 'ray_proxy' (see mapping.to_serving_config): a proxy on every pod forwards to the
         # router replicas. With 'router' each router replica would listen itself, no proxies.
-        "proxy_location": "Disabled" if cfg.http_ingress == "router" else "EveryNode",
+        "proxy_location": cfg.proxy_location,
         "http_options": {"host": "0.0.0.0", "port": cfg.http_port, **_proxy_tls(cfg)},
         "applications": [cfg.ray_serve_application(APP_IMPORT_PATH)],
     }

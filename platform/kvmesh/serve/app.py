@@ -28,7 +28,7 @@ from kvmesh.serve.registry import REGISTRY_NAMESPACE, registry_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build", "build_app", "deploy", "proxy_location", "shutdown", "start_ray"]
+__all__ = ["build", "build_app", "deploy", "shutdown", "start_ray"]
 
 
 def build(args: dict[str, Any]) -> serve.Application:
@@ -61,11 +61,6 @@ def start_ray(address: str | None, cfg: ServingConfig) -> bool:
     return True
 
 
-def proxy_location(cfg: ServingConfig) -> str:
-    """Ray Serve's proxies: none when the router replicas serve HTTP themselves."""
-    return "Disabled" if cfg.http_ingress == "router" else "EveryNode"
-
-
 def http_options(cfg: ServingConfig) -> dict[str, Any]:
     """Ray Serve's HTTP proxy options (http_ingress 'ray_proxy'): HTTPS with the config's
     certificate when it has one."""
@@ -84,7 +79,7 @@ def deploy(cfg: ServingConfig, timeout_s: float = 900.0) -> None:
     Declarative, like `serve deploy` and KubeRay: `import_path` + `args` (the config
     without placement) + per-deployment placement overrides. Ray Serve keeps replicas
     whose code and args did not change, so a new replica count scales in place."""
-    serve.start(proxy_location=proxy_location(cfg), http_options=http_options(cfg))
+    serve.start(proxy_location=cfg.proxy_location, http_options=http_options(cfg))
     schema = ServeDeploySchema.model_validate({"applications": [cfg.ray_serve_application()]})
     _get_global_client().deploy_apps(schema)
     time.sleep(1.0)  # let the controller pick up the new target before reading status

@@ -214,6 +214,12 @@ class ServingConfig(_Base):
                                      description="TLS of the public endpoints, internal token file.")
 
     @property
+    def proxy_location(self) -> str:
+        """Ray Serve's `proxy_location` for this config: no proxies when the router replicas
+        serve HTTP themselves (`serve.start` locally, serveConfigV2 under KubeRay)."""
+        return "Disabled" if self.http_ingress == "router" else "EveryNode"
+
+    @property
     def disaggregated(self) -> bool:
         return self.prefill is not None
 
