@@ -55,7 +55,8 @@ def load() -> bool:
                 digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(csrc.glob("*.[ch]*")))).hexdigest()
                 build(
                     name=f"kvmesh_cpu_kernels_{isa()}_{digest[:10]}",
-                    sources=[str(csrc / n) for n in ("paged_attention.cpp", "fused_ops.cpp", "skinny_gemm.cpp")],
+                    sources=[str(csrc / n) for n in ("paged_attention.cpp", "fused_ops.cpp", "skinny_gemm.cpp",
+                                                     "decode_stack.cpp")],
                     # Reassociation lets gcc vectorize the dot-product reductions.
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math",
                                   "-fno-signed-zeros", "-fno-trapping-math"],
@@ -63,7 +64,8 @@ def load() -> bool:
                     is_python_module=False,
                     verbose=False,
                 )
-                ok = all(hasattr(torch.ops.kvmesh, op) for op in ("paged_decode_attention", "skinny_linear", *FUSED_OPS))
+                ok = all(hasattr(torch.ops.kvmesh, op)
+                         for op in ("paged_decode_attention", "skinny_linear", "decode_stack", *FUSED_OPS))
             except Exception as exc:  # no compiler, headers, ...: use the torch path
                 logger.warning("kvmesh CPU kernels unavailable (%s); using the PyTorch path", exc)
         _state["ok"] = ok

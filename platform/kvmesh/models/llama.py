@@ -17,7 +17,7 @@ from torch import nn
 from kvmesh.layers import triton_ops
 from kvmesh.layers.attention import AttentionBackend, AttentionMetadata
 from kvmesh.layers.cpu_kernels import fused
-from kvmesh.layers.ops import Linear
+from kvmesh.layers.ops import SKINNY_KERNEL_ROWS, Linear
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.rope import RotaryEmbedding, apply_rope
 
@@ -168,9 +168,41 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final hidden states before the last norm, (T, hidden)."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary.cos_sin(positions, h.dtype)
+        stack = self._decode_stack_params(h, meta, backend)
+        if stack is not None:
+            cfg = self.cfg
+            return torch.ops.kvmesh.decode_stack(
+                h, cos, sin, *stack, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], meta.slot_mapping,
+                meta.decode_block_table, meta.decode_context_lens, cfg.num_heads, cfg.num_kv_heads,
+                cfg.rms_norm_eps, cfg.head_dim**-0.5)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer(h, cos, sin, kv_cache, meta, backend)
         return h
+
+    def _decode_stack_params(self, h: torch.Tensor, meta, backend) -> tuple[list, list] | None:
+        """The (weights, biases) lists of `torch.ops.kvmesh.decode_stack` when this step can
+        run the whole layer stack as that one C++ call (csrc/decode_stack.cpp), else None.
+
+        It can when the step is all decodes of at most SKINNY_KERNEL_ROWS tokens on the CPU
+        paged-attention backend and every projection is a plain fp32 `Linear`: exactly the
+        steps whose layer-by-layer path runs the same C++ kernels one Python call at a
+        time, so both paths give the same bits. Anything else (prefill, quantized or bf16
+        layers, other backends) takes the layer loop."""
+        t = h.shape[0]
+        if (not getattr(backend, "runs_decode_stack", False) or t > SKINNY_KERNEL_ROWS or meta.prefills
+                or meta.num_decodes != t or h.dtype != torch.float32 or not fused(h)):
+            return None
+        weights: list[torch.Tensor] = []
+        biases: list[torch.Tensor | None] = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(type(m) not in (Linear, MergedLinear) or m.weight.dtype != torch.float32 for m in linears):
+                return None
+            weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+            biases += [m.bias for m in linears]
+        return weights, biases
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden)).float()

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -51,6 +52,23 @@ void check_norm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "rms_norm: x (T, n), weight (n,)");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rms_norm: x and weight dtypes differ");
 }
+
+// One head: out = x * cos + rotate_half(x) * sin, each product rounded to T as the
+// reference's separate ops do.
+template <typename T>
+inline void rope_head(const T* x, const T* c, const T* s, T* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
+    const float a = static_cast<float>(rnd<T>(static_cast<float>(x[d]) * static_cast<float>(c[d])));
+    const float b = static_cast<float>(rnd<T>(rot * static_cast<float>(s[d])));
+    out[d] = rnd<T>(a + b);
+  }
+}
+
+}  // namespace
+
+namespace kvmesh_cpu {
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
   check_norm(x_in, w_in);
@@ -91,19 +109,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in, const at
     });
   });
   return {sum, out};
-}
-
-// One head: out = x * cos + rotate_half(x) * sin, each product rounded to T as the
-// reference's separate ops do.
-template <typename T>
-inline void rope_head(const T* x, const T* c, const T* s, T* out, int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) {
-    const float rot = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
-    const float a = static_cast<float>(rnd<T>(static_cast<float>(x[d]) * static_cast<float>(c[d])));
-    const float b = static_cast<float>(rnd<T>(rot * static_cast<float>(s[d])));
-    out[d] = rnd<T>(a + b);
-  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv_in, const at::Tensor& cos_in,
@@ -161,7 +166,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
-}  // namespace
+}  // namespace kvmesh_cpu
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -171,8 +176,8 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rope_qkv", &rope_qkv);
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm", &kvmesh_cpu::rms_norm);
+  m.impl("add_rms_norm", &kvmesh_cpu::add_rms_norm);
+  m.impl("rope_qkv", &kvmesh_cpu::rope_qkv);
+  m.impl("silu_and_mul", &kvmesh_cpu::silu_and_mul);
 }

@@ -35,6 +35,7 @@
 #include <numeric>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -331,6 +332,10 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   });
 }
 
+}  // namespace
+
+namespace kvmesh_cpu {
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
@@ -354,11 +359,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-}  // namespace
+}  // namespace kvmesh_cpu
 
 TORCH_LIBRARY(kvmesh, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_decode_attention", &kvmesh_cpu::paged_decode_attention); }

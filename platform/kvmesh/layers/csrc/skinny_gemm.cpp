@@ -15,6 +15,7 @@
 
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -82,7 +83,11 @@ void dispatch_m(int64_t M, const float* xs, const T* w, const T* b, T* y, int64_
   }
 }
 
-at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& b_in) {
+}  // namespace
+
+namespace kvmesh_cpu {
+
+at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& w_in, const std::optional<at::Tensor>& b_in) {
   TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 2 && x_in.size(1) == w_in.size(1),
               "skinny_linear: x (M, K) and weight (N, K)");
   TORCH_CHECK(x_in.scalar_type() == w_in.scalar_type(), "skinny_linear: x and weight dtypes differ");
@@ -114,8 +119,8 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& w_in, const c
   return y;
 }
 
-}  // namespace
+}  // namespace kvmesh_cpu
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) { m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("skinny_linear", &kvmesh_cpu::skinny_linear); }
