@@ -147,6 +147,8 @@ def _swap(model: nn.Module, plan: dict[str, str], tied: bool, device: torch.devi
         parent, _, child = target.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, module)
         new[target] = module
+    if isinstance(model, LlamaForCausalLM):
+        model.invalidate_decode_stack()  # its layers are no longer the float ones it gathered
     if tied and isinstance(new.get(EMBED_NAME), QuantEmbedding):
         model.lm_head = new[EMBED_NAME].head
     routes = {}
