@@ -39,3 +39,20 @@ def model_factory(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def stack_calls(monkeypatch):
+    """Counts the forward passes that ran as one decode_stack call."""
+    from kvmesh.models.llama import LlamaForCausalLM
+
+    calls = []
+    original = LlamaForCausalLM._decode_stack_params
+
+    def spy(self, h, meta, backend):
+        params = original(self, h, meta, backend)
+        calls.append(params is not None)
+        return params
+
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_stack_params", spy)
+    return calls

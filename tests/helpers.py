@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.layers.attention import CpuPagedAttentionBackend
 
 
 def run_collecting_logits(engine: LLMEngine, prompts, params) -> tuple[dict, dict]:
@@ -21,6 +23,18 @@ def run_collecting_logits(engine: LLMEngine, prompts, params) -> tuple[dict, dic
         for res in engine.scheduler.update_from_output(sched, out):
             tokens[res.request.request_id].extend(res.new_token_ids)
     engine._states.clear()
+    return tokens, logits
+
+
+def run_one_at_a_time(engine: LLMEngine, prompts, max_tokens: int) -> tuple[list, list]:
+    """Each prompt alone (batch-1 decode), greedy: ([tokens per prompt], [(N, V) logits per prompt])."""
+    tokens, logits = [], []
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for prompt in prompts:
+        t, lg = run_collecting_logits(engine, [prompt], params)
+        tokens.append(t["r0"])
+        logits.append(torch.stack(lg["r0"]))
+    assert engine.num_free_blocks == engine.num_usable_blocks
     return tokens, logits
 
 
@@ -46,3 +60,23 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-
     err = (ours - ref).abs().max().item()
     scale = ref.abs().max().item()
     assert err <= rtol * scale, f"max |diff| {err:.3g} > {rtol} * max |ref| {scale:.3g}"
+
+
+def stack_then_loop(make_engine, prompts, stack_calls, monkeypatch, max_new: int = 12):
+    """Runs `prompts` one at a time on a fresh engine with the stack, then on another
+    without it (a fresh one: the first one's prefix cache would change how prompts are
+    prefilled); asserts every decode step ran the stack and both give the same bits."""
+    engine = make_engine()
+    stack_calls.clear()  # (building warms the engine up)
+    tokens, logits = run_one_at_a_time(engine, prompts, max_new)
+    # Every decode step, and a one-token prompt's prefill (a one-token step too).
+    expected = sum(max_new - 1 + (len(p) == 1) for p in prompts)
+    assert sum(stack_calls) == expected, "every decode step should run decode_stack"
+    with monkeypatch.context() as m:
+        m.setattr(CpuPagedAttentionBackend, "runs_decode_stack", False)
+        loop_tokens, loop_logits = run_one_at_a_time(make_engine(), prompts, max_new)
+    assert sum(stack_calls) == expected
+    assert loop_tokens == tokens
+    for i, (a, b) in enumerate(zip(logits, loop_logits)):
+        assert torch.equal(a, b), f"prompt {i}"
+    return tokens, logits

@@ -15,10 +15,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
+from helpers import stack_then_loop
 
-from kvmesh.llm import LLM
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import ConfigError
+from kvmesh.layers import cpu_kernels
+from kvmesh.llm import LLM
 from kvmesh.models.loader import model_fingerprint
 from kvmesh.quant import kernels, native
 from kvmesh.quant.gguf_weights import _Header, convert_tensor, read_gguf
@@ -173,6 +175,16 @@ def test_gguf_model_greedy_equals_dequantized_float(gguf_folder):
     assert [layer.self_attn.qkv_proj.scheme for layer in m.model.layers] == ["int4", "int8", "int4"]
     ref, _ = _greedy(gguf_folder)
     assert kept == ref
+
+
+@pytest.mark.skipif(native.get_lib() is None or not cpu_kernels.load(),
+                    reason="needs the quantized CPU kernel (AVX2, a C compiler) and the C++ kernels")
+def test_gguf_decode_stack_equals_layer_loop(gguf_folder, stack_calls, monkeypatch):
+    """Q4_0, Q4_1 and Q8_0 layers mixed in one model: batch-1 decode steps run the whole
+    layer stack as one C++ op (layers/csrc/decode_stack.cpp) with the layer loop's bits."""
+    tokens, _ = stack_then_loop(lambda: LLM(str(gguf_folder), progress=False, num_blocks=64,
+                                            quantization="gguf").engine, PROMPTS, stack_calls, monkeypatch)
+    assert tokens == [seq[:12] for seq in _greedy(gguf_folder, quantization="gguf")[0]]
 
 
 def test_gguf_fingerprint_and_errors(gguf_folder, tiny_llama):

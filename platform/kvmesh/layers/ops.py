@@ -82,6 +82,11 @@ PACK_HINT_ROWS = 64
 SKINNY_KERNEL_ROWS = 1
 
 
+# Kinds of linear layer csrc/decode_stack.cpp runs (see `stack_linear`): a float32 weight,
+# or kvmesh's int8 / int4 (zero points or GGUF Q4_1 mins) weight-only quantized kernels.
+STACK_DENSE, STACK_INT8, STACK_INT4, STACK_INT4_MINS = 0, 1, 2, 3
+
+
 def onednn_usable(weight: torch.Tensor) -> bool:
     """Whether `Linear` runs its GEMMs through oneDNN with a packed weight."""
     return _ONEDNN and weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES
@@ -103,6 +108,14 @@ class Linear(torch.nn.Linear):
                     self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_HINT_ROWS)
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
+
+    def stack_linear(self) -> tuple[int, list[torch.Tensor], int] | None:
+        """How csrc/decode_stack.cpp runs this layer for one row: (kind, tensors, kernel
+        address), or None where it cannot. A float32 weight runs the skinny GEMM, as
+        `forward` does for one row."""
+        if self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
+            return None
+        return STACK_DENSE, [self.weight], 0
 
     def _apply(self, fn, recurse: bool = True):
         self._packed = None  # moved or cast: repack from the new weight on first use

@@ -179,15 +179,16 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, kv_cache, meta, backend)
         return h
 
-    def _decode_stack_params(self, h: torch.Tensor, meta, backend) -> tuple[list, list] | None:
-        """The (weights, biases) lists of `torch.ops.kvmesh.decode_stack` when this step can
+    def _decode_stack_params(self, h: torch.Tensor, meta, backend) -> tuple | None:
+        """The per-model arguments of `torch.ops.kvmesh.decode_stack` when this step can
         run the whole layer stack as that one C++ call (csrc/decode_stack.cpp), else None.
 
         It can when the step is all decodes of at most SKINNY_KERNEL_ROWS tokens on the CPU
-        paged-attention backend and every projection is a plain fp32 `Linear`: exactly the
-        steps whose layer-by-layer path runs the same C++ kernels one Python call at a
-        time, so both paths give the same bits. Anything else (prefill, quantized or bf16
-        layers, other backends) takes the layer loop."""
+        paged-attention backend, in float32, and every projection says how the op runs it
+        (`stack_linear`: a float32 `Linear`, or an int8 / int4 `QuantLinear` on kvmesh's
+        CPU kernel): exactly the steps whose layer-by-layer path runs the same C++ kernels
+        one Python call at a time, so both paths give the same bits. Anything else
+        (prefill, bf16, other backends) takes the layer loop."""
         t = h.shape[0]
         if (not getattr(backend, "runs_decode_stack", False) or t > SKINNY_KERNEL_ROWS or meta.prefills
                 or meta.num_decodes != t or h.dtype != torch.float32 or not fused(h)):
@@ -196,20 +197,29 @@ class LlamaForCausalLM(nn.Module):
             self._stack_params = self._gather_stack_params() or False
         return self._stack_params or None
 
-    _stack_params: tuple[list, list] | bool | None = None
+    _stack_params: tuple | bool | None = None
 
-    def _gather_stack_params(self) -> tuple[list, list] | None:
-        weights: list[torch.Tensor] = []
+    def _gather_stack_params(self) -> tuple | None:
+        """decode_stack's per-model arguments: norms, linear tensors, kinds, kernels, biases;
+        None when a projection has no `stack_linear` form (e.g. bf16, act-order int4)."""
+        norms: list[torch.Tensor] = []
+        tensors: list[torch.Tensor] = []
+        kinds: list[int] = []
+        kernels: list[int] = []
         biases: list[torch.Tensor | None] = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(type(m) not in (Linear, MergedLinear) or m.weight.dtype != torch.float32 for m in linears):
-                return None
-            weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
-                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
-            biases += [m.bias for m in linears]
-        return weights, biases
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                form = module.stack_linear() if hasattr(module, "stack_linear") else None
+                if form is None:
+                    return None
+                kind, ts, kernel = form
+                kinds.append(kind)
+                tensors += ts
+                kernels.append(kernel)
+                biases.append(module.bias)
+        return norms, tensors, kinds, kernels, biases
 
     def invalidate_decode_stack(self) -> None:
         """Forget the gathered decode_stack parameters: call after replacing a layer's module

@@ -36,8 +36,24 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and x.shape[0] <= triton_gemm.MAX_ROWS and triton_gemm.can_run(x)
 
 
+def native_usable(rows: int, device: torch.device) -> bool:
+    """Whether an input of `rows` rows on `device` runs the native kernel (layouts aside)."""
+    return rows <= NATIVE_MAX_ROWS and device.type == "cpu" and native.get_lib() is not None
+
+
 def use_native(x: torch.Tensor) -> bool:
-    return x.shape[0] <= NATIVE_MAX_ROWS and x.device.type == "cpu" and native.get_lib() is not None
+    return native_usable(x.shape[0], x.device)
+
+
+def int8_native_layout(k: int, scales: torch.Tensor) -> bool:
+    """Whether the native kernel takes an int8 weight of `k` columns with these scales."""
+    g = k if scales.dim() == 1 else k // scales.shape[1]
+    return k % 16 == 0 and g % 16 == 0
+
+
+def int4_native_layout(k: int, scales: torch.Tensor) -> bool:
+    """Whether the native kernel takes an int4 weight of `k` columns with these scales."""
+    return (k // scales.shape[1]) % 32 == 0
 
 
 def _as_f32(x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +66,7 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
         return triton_gemm.int8_matmul(x, qweight, scales)
     m, k = x.shape
     g = k if scales.dim() == 1 else k // scales.shape[1]
-    if k % 16 == 0 and g % 16 == 0 and use_native(x):
+    if int8_native_layout(k, scales) and use_native(x):
         xf = _as_f32(x)
         y = torch.empty(m, qweight.shape[0], dtype=torch.float32)
         native.get_lib().kvm_int8_gemm(xf.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), g,
@@ -69,7 +85,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, of
         return triton_gemm.int4_matmul(x, qweight, scales, offsets, mins)
     m, k = x.shape
     g = k // scales.shape[1]
-    if g % 32 == 0 and use_native(x):
+    if int4_native_layout(k, scales) and use_native(x):
         xf = _as_f32(x)
         y = torch.empty(m, qweight.shape[0], dtype=torch.float32)
         rc = native.get_lib().kvm_int4_gemm(xf.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(),

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvmesh.quant.kernels import int4_matmul, int8_matmul
+from kvmesh.layers.ops import STACK_INT4, STACK_INT4_MINS, STACK_INT8
+from kvmesh.quant import native
+from kvmesh.quant.kernels import int4_matmul, int4_native_layout, int8_matmul, int8_native_layout, native_usable
 from kvmesh.quant.primitives import dequantize_int4, dequantize_int8, unpack_int4
 
 # Canonical buffers per scheme (see primitives.py). int4 takes "zeros" or "mins" (GGUF
@@ -155,6 +157,22 @@ class QuantLinear(nn.Module):
             x = x.index_select(-1, perm)
         y = int8_matmul(x, qweight, scales) if is_int8 else int4_matmul(x, qweight, scales, offsets, mins)
         return y if bias is None else y + bias
+
+    def stack_linear(self) -> tuple[int, list[torch.Tensor], int] | None:
+        """How the decode_stack op (layers/csrc/decode_stack.cpp) runs this layer for one
+        row: what `forward` runs, the native kernel through its C entry point. None where
+        forward would not use that kernel (no kernel here, act-order, other layouts)."""
+        if not native_usable(1, self.device) or self.perm is not None:
+            return None
+        lib = native.get_lib()
+        is_int8, qweight, scales, offsets, mins, _, _ = self._fast or self._forward_args()
+        if is_int8:
+            if not int8_native_layout(self.in_features, scales):
+                return None
+            return STACK_INT8, [qweight, scales], native.address(lib.kvm_int8_gemm)
+        if not int4_native_layout(self.in_features, scales):
+            return None
+        return (STACK_INT4_MINS if mins else STACK_INT4), [qweight, scales, offsets], native.address(lib.kvm_int4_gemm)
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size()

@@ -83,3 +83,9 @@ def get_lib() -> ctypes.CDLL | None:
     lib.kvm_int4_gemm.restype = ctypes.c_int
     _lib = lib
     return lib
+
+
+def address(fn: ctypes._CFuncPtr) -> int:
+    """The address of one of the library's C functions (for C++ callers such as the
+    decode_stack op, which call the kernel directly)."""
+    return ctypes.cast(fn, ctypes.c_void_p).value

@@ -5,79 +5,185 @@
 // ~4-5 ms of everything else, almost all of it per-op overhead: 30 layers x ~12 ops, each
 // a Python call into a module, a dispatcher round trip and its argument checks. This op
 // runs the same kernels, in the same order, with the same arguments, from C++: the
-// outputs equal the layer-by-layer path bit for bit (tests/layers/test_decode_stack.py),
+// outputs equal the layer-by-layer path bit for bit (tests/worker/test_decode_stack.py),
 // and the per-op cost drops to a function call and a tensor allocation.
 //
-// Per layer (weights 6 per layer, biases 4 per layer, absent biases as None):
-//   x = rms_norm(h, in_norm)                         weights[6l + 0]
-//   q, k, v = rope_qkv(x @ qkv.T + b_qkv)             weights[6l + 1], biases[4l + 0]
-//   K[slot], V[slot] = k, v                           k_caches[l], v_caches[l]
-//   a = paged_decode_attention(q, K, V) @ o.T + b_o   weights[6l + 2], biases[4l + 1]
-//   h, x = add_rms_norm(h, a, post_norm)              weights[6l + 3]
-//   h = h + silu_and_mul(x @ gate_up.T + b_gu) @ down.T + b_down
-//                                                     weights[6l + 4, 6l + 5], biases[4l + 2, 4l + 3]
+// Per layer l (norms 2 per layer; linears 4 per layer, in the order qkv, o, gate_up, down):
+//   x = rms_norm(h, norms[2l])
+//   q, k, v = rope_qkv(linear(x, qkv))
+//   K[slot], V[slot] = k, v                            k_caches[l], v_caches[l]
+//   a = linear(paged_decode_attention(q, K, V), o)
+//   h, x = add_rms_norm(h, a, norms[2l + 1])
+//   h = h + linear(silu_and_mul(linear(x, gate_up)), down)
 // Returns h after the last layer (before the final norm), like LlamaForCausalLM.forward.
-// Linear layers run the skinny GEMM, so the batch is at most 4 tokens, one per sequence.
+//
+// A linear is one of (linear_kinds; its tensors are taken from linear_tensors in turn):
+//   0 dense     [weight (N, K)]: the skinny GEMM (skinny_gemm.cpp), bias added in-kernel
+//   1 int8      [qweight, scales]            } kvmesh's weight-only quantized GEMM
+//   2 int4      [qweight, scales, zeros]     } (quant/csrc/cpu_gemm.c), called through
+//   3 int4 mins [qweight, scales, mins]      } its C entry point, whose address
+//                                                linear_kernels holds; bias added after
+// exactly as the Python modules (layers/ops.py Linear, quant/modules.py QuantLinear) run
+// them for one row. Dense layers need T == 1 for that; the op itself takes up to 4 rows.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "kernels.h"
 
 namespace {
 
+// The C entry points of quant/csrc/cpu_gemm.c.
+using Int8Gemm = void (*)(const float* x, int64_t M, int64_t K, const int8_t* w, const float* s, int64_t G,
+                          int64_t N, float* y);
+using Int4Gemm = int (*)(const float* x, int64_t M, int64_t K, const uint8_t* w, const uint16_t* s,
+                         const uint16_t* o, int32_t mode, int64_t G, int64_t N, float* y);
+
+enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt4Mins = 3 };
+
+// One linear layer of the stack: its kind, tensors, quantized kernel and bias.
+struct StackLinear {
+  int64_t kind;
+  const at::Tensor* t;
+  int64_t kernel;
+  std::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (kind == kDense) return kvmesh_cpu::skinny_linear(x, t[0], bias);
+    const int64_t M = x.size(0), K = x.size(1), N = t[0].size(0);
+    auto y = at::empty({M, N}, x.options());
+    if (kind == kInt8) {
+      const int64_t G = t[1].dim() == 1 ? K : K / t[1].size(1);
+      reinterpret_cast<Int8Gemm>(kernel)(x.data_ptr<float>(), M, K, t[0].data_ptr<int8_t>(), t[1].data_ptr<float>(),
+                                         G, N, y.data_ptr<float>());
+    } else {
+      const int64_t G = K / t[1].size(1);
+      const int rc = reinterpret_cast<Int4Gemm>(kernel)(
+          x.data_ptr<float>(), M, K, t[0].data_ptr<uint8_t>(), static_cast<const uint16_t*>(t[1].data_ptr()),
+          static_cast<const uint16_t*>(t[2].data_ptr()), kind == kInt4Mins ? 1 : 0, G, N, y.data_ptr<float>());
+      TORCH_CHECK(rc == 0, "decode_stack: the int4 kernel could not allocate its scratch buffer");
+    }
+    return bias.has_value() ? y.add(*bias) : y;
+  }
+};
+
+// Checks each linear's tensors against its kind and the layer shapes it must have:
+// in_features K, out_features N.
+void check_linear(const StackLinear& lin, int64_t K, int64_t N, int64_t index) {
+  const at::Tensor* t = lin.t;
+  const int64_t count = lin.kind == kDense ? 1 : lin.kind == kInt8 ? 2 : 3;
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(t[i].is_contiguous() && t[i].device().is_cpu(), "decode_stack: linear ", index,
+                ": tensors must be contiguous CPU tensors");
+  TORCH_CHECK(t[0].dim() == 2 && t[0].size(0) == N, "decode_stack: linear ", index, " must have ", N, " outputs");
+  if (lin.bias.has_value())
+    TORCH_CHECK(lin.bias->dim() == 1 && lin.bias->size(0) == N && lin.bias->scalar_type() == at::kFloat,
+                "decode_stack: linear ", index, ": bias must be float32 (", N, ",)");
+  switch (lin.kind) {
+    case kDense:
+      TORCH_CHECK(t[0].scalar_type() == at::kFloat && t[0].size(1) == K, "decode_stack: linear ", index,
+                  ": dense weight must be float32 (", N, ", ", K, ")");
+      break;
+    case kInt8:
+      TORCH_CHECK(lin.kernel != 0 && t[0].scalar_type() == at::kChar && t[0].size(1) == K &&
+                      t[1].scalar_type() == at::kFloat && t[1].size(0) == N && K % 16 == 0 &&
+                      (t[1].dim() == 1 || (t[1].dim() == 2 && K % t[1].size(1) == 0 && (K / t[1].size(1)) % 16 == 0)),
+                  "decode_stack: linear ", index, ": int8 needs its kernel, qweight int8 (N, K), float32 scales "
+                  "per row or per group of a multiple of 16");
+      break;
+    case kInt4:
+    case kInt4Mins:
+      TORCH_CHECK(lin.kernel != 0 && t[0].scalar_type() == at::kByte && t[0].size(1) * 2 == K &&
+                      t[1].scalar_type() == at::kHalf && t[2].scalar_type() == at::kHalf && t[1].dim() == 2 &&
+                      t[1].sizes() == t[2].sizes() && t[1].size(0) == N && K % t[1].size(1) == 0 &&
+                      (K / t[1].size(1)) % 32 == 0,
+                  "decode_stack: linear ", index, ": int4 needs its kernel, packed qweight uint8 (N, K / 2), "
+                  "float16 scales and offsets (N, K / G) with G a multiple of 32");
+      break;
+    default:
+      break;  // (kinds are checked when unpacked)
+  }
+}
+
 // Writes this step's k / v (T, KVH, D) into their cache slots, as the layer-by-layer
-// path's index_copy_ does: a row copy per token.
+// path's index_copy_ does: a row copy per token (slots checked by the caller).
 void write_kv(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slots, int64_t T) {
-  const int64_t n_slots = cache.size(0) * cache.size(1);
   const int64_t row_bytes = rows.size(1) * rows.size(2) * rows.element_size();
   auto* dst = static_cast<char*>(cache.data_ptr());
   const auto* src = static_cast<const char*>(rows.data_ptr());
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < n_slots, "decode_stack: slot ", slots[t], " outside the KV cache");
-    std::memcpy(dst + slots[t] * row_bytes, src + t * row_bytes, row_bytes);
-  }
+  for (int64_t t = 0; t < T; ++t) std::memcpy(dst + slots[t] * row_bytes, src + t * row_bytes, row_bytes);
 }
 
 }  // namespace
 
 namespace kvmesh_cpu {
 
-at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin,
-                        at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
-                        at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
-                        const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t num_heads,
-                        int64_t num_kv_heads, double eps, double scale) {
+at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms,
+                        at::TensorList linear_tensors, at::IntArrayRef linear_kinds, at::IntArrayRef linear_kernels,
+                        const c10::List<std::optional<at::Tensor>>& biases, at::TensorList k_caches,
+                        at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
+                        double scale) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(weights.size()) == 6 * L &&
+  TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(norms.size()) == 2 * L &&
+                  static_cast<int64_t>(linear_kinds.size()) == 4 * L &&
+                  static_cast<int64_t>(linear_kernels.size()) == 4 * L &&
                   static_cast<int64_t>(biases.size()) == 4 * L,
-              "decode_stack: per layer 6 weights, 4 biases, one K and one V cache");
-  TORCH_CHECK(h_in.dim() == 2 && h_in.size(0) >= 1 && h_in.size(0) <= 4, "decode_stack: hidden (T <= 4, hidden)");
-  const int64_t T = h_in.size(0);
+              "decode_stack: per layer 2 norms, 4 linears (kind, kernel, bias each), one K and one V cache");
+  TORCH_CHECK(h_in.dim() == 2 && h_in.size(0) >= 1 && h_in.size(0) <= 4 && h_in.scalar_type() == at::kFloat,
+              "decode_stack: hidden must be float32 (T <= 4, hidden)");
+  const int64_t T = h_in.size(0), hidden = h_in.size(1);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T && block_tables.size(0) == T &&
                   context_lens.numel() == T,
               "decode_stack: one slot, block-table row and context length per token (int64)");
+  TORCH_CHECK(k_caches.size() > 0 && k_caches[0].dim() == 4 && k_caches[0].size(2) == num_kv_heads,
+              "decode_stack: K / V caches (blocks, block_size, num_kv_heads, head_dim)");
+  const int64_t D = k_caches[0].size(3), q_width = num_heads * D, qkv_width = (num_heads + 2 * num_kv_heads) * D;
+
+  // Unpack and check every linear once, before any work.
+  std::vector<StackLinear> linears;
+  linears.reserve(4 * L);
+  size_t next = 0;
+  for (int64_t i = 0; i < 4 * L; ++i) {
+    const int64_t kind = linear_kinds[i];
+    TORCH_CHECK(kind >= kDense && kind <= kInt4Mins, "decode_stack: linear ", i, ": unknown kind ", kind);
+    const size_t count = kind == kDense ? 1 : kind == kInt8 ? 2 : 3;
+    TORCH_CHECK(next + count <= linear_tensors.size(), "decode_stack: too few linear tensors for their kinds");
+    linears.push_back({kind, linear_tensors.data() + next, linear_kernels[i], biases.get(i)});
+    next += count;
+  }
+  TORCH_CHECK(next == linear_tensors.size(), "decode_stack: more linear tensors than their kinds take");
+  const int64_t inter = linears[2].t[0].size(0) / 2;
+  for (int64_t l = 0; l < L; ++l) {
+    check_linear(linears[4 * l + 0], hidden, qkv_width, 4 * l + 0);
+    check_linear(linears[4 * l + 1], q_width, hidden, 4 * l + 1);
+    check_linear(linears[4 * l + 2], hidden, 2 * inter, 4 * l + 2);
+    check_linear(linears[4 * l + 3], inter, hidden, 4 * l + 3);
+    const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
+    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.sizes() == k_caches[0].sizes() &&
+                    kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
+                "decode_stack: layer ", l, ": K and V caches must be contiguous float32 tensors of one shape");
+  }
   auto slots_t = slot_mapping.contiguous();
   const int64_t* slots = slots_t.data_ptr<int64_t>();
-  auto bias = [&](int64_t i) -> std::optional<at::Tensor> { return biases.get(i); };
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < k_caches[0].size(0) * k_caches[0].size(1), "decode_stack: slot ",
+                slots[t], " outside the KV cache");
 
   at::Tensor h = h_in.contiguous();
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* w = weights.data() + 6 * l;
+    const StackLinear* lin = linears.data() + 4 * l;
     const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
-    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() &&
-                    kc.scalar_type() == h.scalar_type(),
-                "decode_stack: layer ", l, ": K and V caches must be contiguous, alike and in the model dtype");
-    at::Tensor x = rms_norm(h, w[0], eps);
-    auto [q, k, v] = rope_qkv(skinny_linear(x, w[1], bias(4 * l + 0)), cos, sin, num_heads, num_kv_heads);
+    at::Tensor x = rms_norm(h, norms[2 * l], eps);
+    auto [q, k, v] = rope_qkv(lin[0](x), cos, sin, num_heads, num_kv_heads);
     write_kv(kc, k, slots, T);
     write_kv(vc, v, slots, T);
-    at::Tensor o = paged_decode_attention(q, kc, vc, block_tables, context_lens, scale);
-    at::Tensor a = skinny_linear(o.view({T, -1}), w[2], bias(4 * l + 1));
-    std::tie(h, x) = add_rms_norm(h, a, w[3], eps);
-    h = h.add(skinny_linear(silu_and_mul(skinny_linear(x, w[4], bias(4 * l + 2))), w[5], bias(4 * l + 3)));
+    at::Tensor a = lin[1](paged_decode_attention(q, kc, vc, block_tables, context_lens, scale).view({T, q_width}));
+    std::tie(h, x) = add_rms_norm(h, a, norms[2 * l + 1], eps);
+    h = h.add(lin[3](silu_and_mul(lin[2](x))));
   }
   return h;
 }
@@ -85,9 +191,10 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
 }  // namespace kvmesh_cpu
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
-  m.def("decode_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, "
-        "Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
-        "int num_heads, int num_kv_heads, float eps, float scale) -> Tensor");
+  m.def("decode_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] linear_tensors, "
+        "int[] linear_kinds, int[] linear_kernels, Tensor?[] biases, Tensor[] k_caches, Tensor[] v_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
+        "float eps, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("decode_stack", &kvmesh_cpu::decode_stack); }
