@@ -3,7 +3,8 @@
 * **Serving**: `kvmesh serve --config` (a local Ray instance) of one `unified` worker
   deployment (the single-worker shape of `kvmesh serve`: every replica prefills and
   decodes) autoscaling between 1 and 2 replicas on kvmesh's own signals
-  (`KvmeshAutoscalingPolicy`: queue depth, KV usage, TTFT / TPOT p90 against `slo`), with
+  (`KvmeshAutoscalingPolicy`: queue depth, KV usage, TTFT / TPOT p90 and the oldest
+  request's wait for its first token against `slo`), with
   Ray's timing knobs shortened so the ramp plays out in minutes (`--upscale-delay-s`,
   `--downscale-delay-s`, `--look-back-s`, `--metrics-interval-s`, `--slo-window-s`).
 * **Why the queue decides**: each replica runs `--max-num-seqs` requests at a time on

@@ -4,6 +4,8 @@ called directly) and a real engine's step outputs."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from ray.serve._private.autoscaling_state import _resolve_policy_callable
 from ray.serve._private.common import DeploymentID, ReplicaID
@@ -15,6 +17,7 @@ from kvmesh.config import EngineConfig
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.serve.autoscale import (
     KV_USAGE,
+    OLDEST_WAIT,
     QUEUE,
     TPOT_P90,
     TTFT_P90,
@@ -110,8 +113,10 @@ def test_latency_window_reads_a_real_engines_finished_requests(tiny_llama):
         engine.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
     while engine.has_unfinished():
         window.observe(engine.step())  # what AsyncLLMEngine(on_outputs=window.observe) does
+        if engine.has_unfinished():  # TTFT counts from the first token, before the request ends
+            assert window.p90()[0] is not None and window.p90()[1] is None
     m = replica_metrics(engine.stats(), window)
-    assert m[QUEUE] == 0.0 and 0.0 <= m[KV_USAGE] < 1.0
+    assert m[QUEUE] == 0.0 and 0.0 <= m[KV_USAGE] < 1.0 and m[OLDEST_WAIT] == 0.0
     assert 0.0 < m[TTFT_P90] and 0.0 < m[TPOT_P90]
     now[0] = 11.0  # the samples age out of the window
     assert window.p90() == (None, None)
@@ -130,3 +135,29 @@ def test_a_scale_up_still_starting_is_kept_while_the_load_holds():
     assert want == 2
     idle = {QUEUE: 0.0, KV_USAGE: 0.0, TTFT_P90: -1.0, TPOT_P90: -1.0}  # the load went away: shrink
     assert policy(_ctx(config, 1, idle, now=12.0, state=state, target=2))[0] == 1
+
+
+def test_a_request_waiting_past_the_slo_scales_up_before_any_ttft_is_measured(tiny_llama):
+    """The oldest wait of a request without a first token is a TTFT known early: a queue too
+    short to count as pressure, with no TTFT sample yet, still scales up once it waited
+    longer than the SLO (with headroom)."""
+    engine = build_engine(EngineConfig.model_validate(
+        {"model": {"model": str(tiny_llama)}, "cache": {"block_size": 4, "num_blocks": 64},
+         "scheduler": {"max_num_seqs": 1}}))
+    for i in range(3):  # one runs, two wait
+        engine.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], SamplingParams(max_tokens=40, ignore_eos=True),
+                           arrival_time=time.monotonic() - 5.0)
+    engine.step()
+    window = LatencyWindow(window_s=10.0)
+    m = replica_metrics(engine.stats(), window)
+    assert m[QUEUE] == 2.0 and m[OLDEST_WAIT] >= 5.0  # the running one has its first token
+    config = _decode_config()  # decode SLO TTFT 1.0 s; unified answers for TTFT too
+    policy = KvmeshAutoscalingPolicy("unified", ttft_s=1.0, tpot_s=0.05)
+    sig = role_signals("unified", 1, {k: {"a": v} for k, v in m.items()})
+    assert sig.oldest_wait_s == m[OLDEST_WAIT] and sig.ttft_p90_s is None
+    assert policy(_ctx(config, 1, m, now=1.0))[0] == 2
+    # A decode-only role does not answer for TTFT: the same wait does not move it.
+    assert KvmeshAutoscalingPolicy("decode", ttft_s=1.0, tpot_s=0.05)(_ctx(config, 1, m, now=1.0))[0] == 1
+    engine.abort([f"r{i}" for i in range(3)])
+    engine.step()
+    assert engine.stats()["oldest_wait_s"] == 0.0

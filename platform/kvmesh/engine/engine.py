@@ -412,6 +412,7 @@ class LLMEngine:
         return {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            "oldest_wait_s": self.scheduler.oldest_wait_s(time.monotonic()),
             "num_free_blocks": kv.num_free_blocks,
             "num_usable_blocks": kv.num_usable_blocks,
             "kv_usage": kv.usage(),

@@ -97,6 +97,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def oldest_wait_s(self, now: float) -> float:
+        """How long the longest-waiting request without a first token has waited (0 when
+        none): its TTFT will be at least this, so it leads the measured TTFT, which a
+        request reports only once its first token exists."""
+        return max((now - r.arrival_time for r in self.waiting if not r.output_token_ids), default=0.0)
+
     @property
     def num_running(self) -> int:
         return len(self.running)

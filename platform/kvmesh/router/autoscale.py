@@ -1,5 +1,5 @@
-"""Replica counts from kvmesh's own signals: queue depth, KV usage and measured TTFT /
-TPOT against SLO targets, decided per role (prefill replicas answer for TTFT, decode
+"""Replica counts from kvmesh's own signals: queue depth, KV usage, measured TTFT /
+TPOT and the age of the oldest request still waiting for its first token against SLO targets, decided per role (prefill replicas answer for TTFT, decode
 replicas for TPOT and KV room, unified ones for both).
 
 Ray Serve's default policy counts requests that pass through Ray; kvmesh's requests
@@ -34,6 +34,10 @@ class ScaleSignals:
     kv_usage: float  # mean fraction of KV blocks in use, 0..1
     ttft_p90_s: float | None = None  # None: no first token in the window
     tpot_p90_s: float | None = None
+    # Age of the longest-waiting request that has no first token yet (the worst replica's):
+    # a lower bound on its TTFT, known before that TTFT is measured. Under a sudden load
+    # step it crosses the SLO seconds before the measured p90 does.
+    oldest_wait_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,10 @@ def pressure(s: ScaleSignals, slo: SLO, policy: ScalePolicy) -> float:
         terms.append(s.kv_usage / policy.kv_usage_high)
         if s.tpot_p90_s is not None:
             terms.append(s.tpot_p90_s / (slo.tpot_s * policy.slo_headroom))
-    if s.role in ("prefill", "unified") and s.ttft_p90_s is not None:
-        terms.append(s.ttft_p90_s / (slo.ttft_s * policy.slo_headroom))
+    if s.role in ("prefill", "unified"):
+        for ttft in (s.ttft_p90_s, s.oldest_wait_s):
+            if ttft is not None:
+                terms.append(ttft / (slo.ttft_s * policy.slo_headroom))
     return max(terms)
 
 

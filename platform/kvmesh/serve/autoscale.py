@@ -6,8 +6,10 @@ gRPC streams from the router to the workers, which Ray never sees. Instead:
 
 1. every worker replica reports custom autoscaling metrics (Ray Serve calls the
    deployment's `record_autoscaling_stats`; `replica_metrics` builds the dict): waiting
-   requests, KV usage, and the p90 TTFT / TPOT of the requests it finished in the last
-   `LatencyWindow.window_s` (engine-side: queueing + prefill, decode steps);
+   requests, KV usage, the age of its oldest request still waiting for a first token,
+   and the p90 TTFT of the requests whose first token came in the last
+   `LatencyWindow.window_s` and p90 TPOT of those that finished in it (engine-side:
+   queueing + prefill, decode steps);
 2. Ray's controller averages each metric over `look_back_period_s` per replica and calls
    `KvmeshAutoscalingPolicy` (named in the deployment's `autoscaling_config.policy`),
    which folds the replicas into one `ScaleSignals` for the role (prefill replicas answer
@@ -33,6 +35,7 @@ QUEUE = "kvmesh_queue_depth"
 KV_USAGE = "kvmesh_kv_usage"
 TTFT_P90 = "kvmesh_ttft_p90_s"
 TPOT_P90 = "kvmesh_tpot_p90_s"
+OLDEST_WAIT = "kvmesh_oldest_wait_s"
 _NONE = -1.0  # metric value for "no request finished in the window" (Ray metrics are numbers)
 
 
@@ -47,18 +50,19 @@ class LatencyWindow:
         self._lock = threading.Lock()  # the engine's step thread writes, Ray's metrics call reads
 
     def observe(self, outputs: Iterable[Any]) -> None:
-        """Record the finished ones of an engine step's RequestOutputs (their metrics hold
-        ttft_s and e2e_s; TPOT = (e2e - ttft) / (tokens - 1))."""
+        """Record an engine step's RequestOutputs: a request's TTFT when its first tokens
+        arrive (its first output: all its tokens are new), its TPOT = (e2e - ttft) /
+        (tokens - 1) when it finishes (metrics hold ttft_s and e2e_s)."""
         now = self._clock()
         for out in outputs:
-            if not out.finished or "e2e_s" not in out.metrics:
+            if "ttft_s" not in out.metrics or not out.outputs:
                 continue
-            ttft, e2e = out.metrics["ttft_s"], out.metrics["e2e_s"]
-            n = len(out.outputs[0].token_ids) if out.outputs else 0
+            ttft, tokens = out.metrics["ttft_s"], out.outputs[0].token_ids
             with self._lock:
-                self._ttft.append((now, ttft))
-                if n > 1:
-                    self._tpot.append((now, (e2e - ttft) / (n - 1)))
+                if tokens and len(out.outputs[0].delta_token_ids) == len(tokens):
+                    self._ttft.append((now, ttft))
+                if out.finished and "e2e_s" in out.metrics and len(tokens) > 1:
+                    self._tpot.append((now, (out.metrics["e2e_s"] - ttft) / (len(tokens) - 1)))
 
     def p90(self) -> tuple[float | None, float | None]:
         """(TTFT p90, TPOT p90) over the window; None where nothing finished."""
@@ -83,20 +87,23 @@ def replica_metrics(stats: dict[str, Any], latency: LatencyWindow) -> dict[str, 
     """One worker replica's custom autoscaling metrics, from its engine's stats()."""
     ttft, tpot = latency.p90()
     return {QUEUE: float(stats.get("num_waiting", 0)), KV_USAGE: float(stats.get("kv_usage", 0.0)),
-            TTFT_P90: _NONE if ttft is None else ttft, TPOT_P90: _NONE if tpot is None else tpot}
+            TTFT_P90: _NONE if ttft is None else ttft, TPOT_P90: _NONE if tpot is None else tpot,
+            OLDEST_WAIT: float(stats.get("oldest_wait_s", 0.0))}
 
 
 def role_signals(role: str, replicas: int, metrics: dict[str, dict[Any, float]]) -> ScaleSignals:
     """Fold per-replica metrics (name -> replica -> value, Ray's aggregated_metrics) into
-    the role's signals: queues summed, KV usage averaged, latency the worst replica's p90."""
+    the role's signals: queues summed, KV usage averaged, latency (p90s and the oldest
+    wait) the worst replica's."""
     def values(name: str) -> list[float]:
         return list((metrics.get(name) or {}).values())
 
     kv = values(KV_USAGE)
     ttft = [v for v in values(TTFT_P90) if v >= 0]
     tpot = [v for v in values(TPOT_P90) if v >= 0]
+    wait = values(OLDEST_WAIT)
     return ScaleSignals(role, replicas, int(round(sum(values(QUEUE)))), sum(kv) / len(kv) if kv else 0.0,
-                        max(ttft) if ttft else None, max(tpot) if tpot else None)
+                        max(ttft) if ttft else None, max(tpot) if tpot else None, max(wait) if wait else None)
 
 
 class KvmeshAutoscalingPolicy:

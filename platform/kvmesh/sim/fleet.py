@@ -197,7 +197,8 @@ class Fleet:
         ttft = percentile([x[1] for x in self._recent_first], 90) if self._recent_first else None
         tpot = percentile([x[1] for x in self._recent_tpot], 90) if self._recent_tpot else None
         usage = sum(w.kv.usage() for w in live) / max(len(live), 1)
-        sig = ScaleSignals("unified", len(live), sum(w.scheduler.num_waiting for w in live), usage, ttft, tpot)
+        wait = max((w.scheduler.oldest_wait_s(self.now) for w in live), default=0.0)
+        sig = ScaleSignals("unified", len(live), sum(w.scheduler.num_waiting for w in live), usage, ttft, tpot, wait)
         want = self.autoscaler.decide(sig, self.now)
         for _ in range(want - len(live)):
             w = self._add_worker(self.now + self.cfg.startup_s)
