@@ -65,7 +65,8 @@ def test_worker_roles_get_the_kvmesh_policy_router_keeps_rays():
     by_name = {d["name"]: d["autoscaling_config"] for d in cfg.deployment_overrides()}
     assert by_name["unified"]["policy"] == {"policy_function": "kvmesh.serve.autoscale:KvmeshAutoscalingPolicy",
                                             "policy_kwargs": {"role": "unified", "ttft_s": 1.5, "tpot_s": 0.07}}
-    assert "policy" not in by_name["router"]
+    assert by_name["unified"]["aggregation_function"] == "max"  # the window's peak, not its mean
+    assert "policy" not in by_name["router"] and "aggregation_function" not in by_name["router"]
     ray_default = ServingConfig.model_validate(
         {"decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 2, "signals": "ongoing_requests"}}})
     assert "policy" not in ray_default.deployment_overrides()[1]["autoscaling_config"]

@@ -104,6 +104,12 @@ class Autoscaling(_Base):
             out["metrics_interval_s"] = self.metrics_interval_s
         if self.signals == "kvmesh" and role in WORKER_ROLES and slo is not None:
             out["policy"] = policy_config(role, slo.ttft_s, slo.tpot_s)
+            # The policy reads each metric's peak over the look-back, not its mean: the mean
+            # lags a load step by half the look-back (measured: the ramp's first upscale came
+            # ~15 s after the step with a 4-s look-back), while the peak reacts to the first
+            # push over target and holds it for the look-back, so a momentary lull in the
+            # queue does not count as room to scale down either.
+            out["aggregation_function"] = "max"
         return out
 
 
