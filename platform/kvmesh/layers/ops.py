@@ -75,11 +75,12 @@ _ONEDNN_DTYPES = {torch.float32, torch.bfloat16} if NATIVE_BF16 else {torch.floa
 PACK_HINT_ROWS = 64
 
 
-# A single fp32 row (batch-1 decode) is a matrix-vector product bound by streaming the
-# weight from DRAM: csrc/skinny_gemm.cpp reads the plain weight at 23-28 GB/s where
-# oneDNN's packed GEMM reaches 18-23 (2 threads, weights out of cache). At 2+ rows, or in
-# bf16, oneDNN is as fast or faster.
+# A single row (batch-1 decode) is a matrix-vector product bound by streaming the weight
+# from DRAM: csrc/skinny_gemm.cpp reads the plain weight faster than oneDNN's packed GEMM
+# (2 threads, all of SmolLM2's linears, weights out of cache: fp32 20.0 vs 26.4 ms, bf16
+# 13.4 vs 15.6 ms on an AVX512-BF16 Zen 4). At 2+ rows oneDNN is as fast or faster.
 SKINNY_KERNEL_ROWS = 1
+SKINNY_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # Kinds of linear layer csrc/decode_stack.cpp runs (see `stack_linear`): a float32 weight,
@@ -99,8 +100,8 @@ class Linear(torch.nn.Linear):
     _packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dim() == 2 and x.shape[0] <= SKINNY_KERNEL_ROWS and self.weight.dtype == torch.float32
-                and cpu_kernels.fused(x)):
+        if (x.dim() == 2 and x.shape[0] <= SKINNY_KERNEL_ROWS and self.weight.dtype in SKINNY_DTYPES
+                and x.dtype == self.weight.dtype and cpu_kernels.fused(x)):
             return torch.ops.kvmesh.skinny_linear(x, self.weight, self.bias)
         if x.dim() == 2 and onednn_usable(self.weight):
             if self._packed is None:
@@ -111,9 +112,9 @@ class Linear(torch.nn.Linear):
 
     def stack_linear(self) -> tuple[int, list[torch.Tensor], int] | None:
         """How csrc/decode_stack.cpp runs this layer for one row: (kind, tensors, kernel
-        address), or None where it cannot. A float32 weight runs the skinny GEMM, as
-        `forward` does for one row."""
-        if self.weight.dtype != torch.float32 or self.weight.device.type != "cpu":
+        address), or None where it cannot. A float32 / bf16 weight runs the skinny GEMM,
+        as `forward` does for one row."""
+        if self.weight.dtype not in SKINNY_DTYPES or self.weight.device.type != "cpu":
             return None
         return STACK_DENSE, [self.weight], 0
 

@@ -17,7 +17,7 @@ from torch import nn
 from kvmesh.layers import triton_ops
 from kvmesh.layers.attention import AttentionBackend, AttentionMetadata
 from kvmesh.layers.cpu_kernels import fused
-from kvmesh.layers.ops import SKINNY_KERNEL_ROWS, Linear
+from kvmesh.layers.ops import SKINNY_KERNEL_ROWS, STACK_DENSE, Linear
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.rope import RotaryEmbedding, apply_rope
 
@@ -184,14 +184,14 @@ class LlamaForCausalLM(nn.Module):
         run the whole layer stack as that one C++ call (csrc/decode_stack.cpp), else None.
 
         It can when the step is all decodes of at most SKINNY_KERNEL_ROWS tokens on the CPU
-        paged-attention backend, in float32, and every projection says how the op runs it
-        (`stack_linear`: a float32 `Linear`, or an int8 / int4 `QuantLinear` on kvmesh's
-        CPU kernel): exactly the steps whose layer-by-layer path runs the same C++ kernels
-        one Python call at a time, so both paths give the same bits. Anything else
-        (prefill, bf16, other backends) takes the layer loop."""
+        paged-attention backend and every projection says how the op runs it
+        (`stack_linear`: a float32 / bf16 / fp16 `Linear`, or, in a float32 model, an
+        int8 / int4 `QuantLinear` on kvmesh's CPU kernel): exactly the steps whose
+        layer-by-layer path runs the same C++ kernels one Python call at a time, so both
+        paths give the same bits. Anything else (prefill, other backends) takes the loop."""
         t = h.shape[0]
         if (not getattr(backend, "runs_decode_stack", False) or t > SKINNY_KERNEL_ROWS or meta.prefills
-                or meta.num_decodes != t or h.dtype != torch.float32 or not fused(h)):
+                or meta.num_decodes != t or not fused(h)):
             return None
         if self._stack_params is None:  # gathered once: ~800 module attribute reads, 1 ms a step
             self._stack_params = self._gather_stack_params() or False
@@ -215,6 +215,8 @@ class LlamaForCausalLM(nn.Module):
                 if form is None:
                     return None
                 kind, ts, kernel = form
+                if kind != STACK_DENSE and layer.input_layernorm.weight.dtype != torch.float32:
+                    return None  # the quantized kernels take float32 activations only
                 kinds.append(kind)
                 tensors += ts
                 kernels.append(kernel)

@@ -25,6 +25,8 @@
 //                                                linear_kernels holds; bias added after
 // exactly as the Python modules (layers/ops.py Linear, quant/modules.py QuantLinear) run
 // them for one row. Dense layers need T == 1 for that; the op itself takes up to 4 rows.
+// Activations, norms, biases, dense weights and the KV cache share one dtype: float32 or
+// bfloat16 (quantized layers: float32 only).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -72,7 +74,7 @@ struct StackLinear {
 
 // Checks each linear's tensors against its kind and the layer shapes it must have:
 // in_features K, out_features N.
-void check_linear(const StackLinear& lin, int64_t K, int64_t N, int64_t index) {
+void check_linear(const StackLinear& lin, int64_t K, int64_t N, int64_t index, at::ScalarType dtype) {
   const at::Tensor* t = lin.t;
   const int64_t count = lin.kind == kDense ? 1 : lin.kind == kInt8 ? 2 : 3;
   for (int64_t i = 0; i < count; ++i)
@@ -80,12 +82,14 @@ void check_linear(const StackLinear& lin, int64_t K, int64_t N, int64_t index) {
                 ": tensors must be contiguous CPU tensors");
   TORCH_CHECK(t[0].dim() == 2 && t[0].size(0) == N, "decode_stack: linear ", index, " must have ", N, " outputs");
   if (lin.bias.has_value())
-    TORCH_CHECK(lin.bias->dim() == 1 && lin.bias->size(0) == N && lin.bias->scalar_type() == at::kFloat,
-                "decode_stack: linear ", index, ": bias must be float32 (", N, ",)");
+    TORCH_CHECK(lin.bias->dim() == 1 && lin.bias->size(0) == N && lin.bias->scalar_type() == dtype,
+                "decode_stack: linear ", index, ": bias must be (", N, ",) in the hidden dtype");
+  TORCH_CHECK(lin.kind == kDense || dtype == at::kFloat, "decode_stack: linear ", index,
+              ": the quantized kernels take float32 activations only");
   switch (lin.kind) {
     case kDense:
-      TORCH_CHECK(t[0].scalar_type() == at::kFloat && t[0].size(1) == K, "decode_stack: linear ", index,
-                  ": dense weight must be float32 (", N, ", ", K, ")");
+      TORCH_CHECK(t[0].scalar_type() == dtype && t[0].size(1) == K, "decode_stack: linear ", index,
+                  ": dense weight must be (", N, ", ", K, ") in the hidden dtype");
       break;
     case kInt8:
       TORCH_CHECK(lin.kernel != 0 && t[0].scalar_type() == at::kChar && t[0].size(1) == K &&
@@ -133,9 +137,11 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
                   static_cast<int64_t>(linear_kernels.size()) == 4 * L &&
                   static_cast<int64_t>(biases.size()) == 4 * L,
               "decode_stack: per layer 2 norms, 4 linears (kind, kernel, bias each), one K and one V cache");
-  TORCH_CHECK(h_in.dim() == 2 && h_in.size(0) >= 1 && h_in.size(0) <= 4 && h_in.scalar_type() == at::kFloat,
-              "decode_stack: hidden must be float32 (T <= 4, hidden)");
+  TORCH_CHECK(h_in.dim() == 2 && h_in.size(0) >= 1 && h_in.size(0) <= 4 &&
+                  (h_in.scalar_type() == at::kFloat || h_in.scalar_type() == at::kBFloat16),
+              "decode_stack: hidden must be float32 or bfloat16 (T <= 4, hidden)");
   const int64_t T = h_in.size(0), hidden = h_in.size(1);
+  const at::ScalarType dtype = h_in.scalar_type();
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T && block_tables.size(0) == T &&
                   context_lens.numel() == T,
               "decode_stack: one slot, block-table row and context length per token (int64)");
@@ -158,14 +164,17 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
   TORCH_CHECK(next == linear_tensors.size(), "decode_stack: more linear tensors than their kinds take");
   const int64_t inter = linears[2].t[0].size(0) / 2;
   for (int64_t l = 0; l < L; ++l) {
-    check_linear(linears[4 * l + 0], hidden, qkv_width, 4 * l + 0);
-    check_linear(linears[4 * l + 1], q_width, hidden, 4 * l + 1);
-    check_linear(linears[4 * l + 2], hidden, 2 * inter, 4 * l + 2);
-    check_linear(linears[4 * l + 3], inter, hidden, 4 * l + 3);
+    check_linear(linears[4 * l + 0], hidden, qkv_width, 4 * l + 0, dtype);
+    check_linear(linears[4 * l + 1], q_width, hidden, 4 * l + 1, dtype);
+    check_linear(linears[4 * l + 2], hidden, 2 * inter, 4 * l + 2, dtype);
+    check_linear(linears[4 * l + 3], inter, hidden, 4 * l + 3, dtype);
     const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
     TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.sizes() == k_caches[0].sizes() &&
-                    kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
-                "decode_stack: layer ", l, ": K and V caches must be contiguous float32 tensors of one shape");
+                    kc.scalar_type() == dtype && vc.scalar_type() == dtype,
+                "decode_stack: layer ", l, ": K and V caches must be contiguous, of one shape, in the hidden dtype");
+    for (int64_t i = 0; i < 2; ++i)
+      TORCH_CHECK(norms[2 * l + i].scalar_type() == dtype && norms[2 * l + i].numel() == hidden,
+                  "decode_stack: layer ", l, ": norm weights must be (hidden,) in the hidden dtype");
   }
   auto slots_t = slot_mapping.contiguous();
   const int64_t* slots = slots_t.data_ptr<int64_t>();
