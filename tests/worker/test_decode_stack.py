@@ -7,14 +7,7 @@ oracle) on tiny random models of every supported shape."""
 
 import pytest
 import torch
-from helpers import (
-    assert_logits_close,
-    hf_greedy,
-    hf_step_logits,
-    run_collecting_logits,
-    run_one_at_a_time,
-    stack_then_loop,
-)
+from helpers import assert_logits_close, hf_greedy, hf_step_logits, run_collecting_logits, stack_then_loop
 
 from kvmesh import SamplingParams
 from kvmesh.build import build_engine
