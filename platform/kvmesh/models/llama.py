@@ -185,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
 
         It can when the step is all decodes of at most SKINNY_KERNEL_ROWS tokens on the CPU
         paged-attention backend and every projection says how the op runs it
-        (`stack_linear`: a float32 / bf16 / fp16 `Linear`, or, in a float32 model, an
+        (`stack_linear`: a float32 / bf16 `Linear`, or, in a float32 model, an
         int8 / int4 `QuantLinear` on kvmesh's CPU kernel): exactly the steps whose
         layer-by-layer path runs the same C++ kernels one Python call at a time, so both
         paths give the same bits. Anything else (prefill, other backends) takes the loop."""
@@ -201,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _gather_stack_params(self) -> tuple | None:
         """decode_stack's per-model arguments: norms, linear tensors, kinds, kernels, biases;
-        None when a projection has no `stack_linear` form (e.g. bf16, act-order int4)."""
+        None when a projection has no `stack_linear` form (e.g. act-order int4, or a
+        quantized layer in a bf16 model)."""
         norms: list[torch.Tensor] = []
         tensors: list[torch.Tensor] = []
         kinds: list[int] = []
