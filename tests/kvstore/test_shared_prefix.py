@@ -116,6 +116,12 @@ def test_redis_killed_and_restarted_mid_run(long_model, redis_server):
     assert [outs[r].outputs[0].token_ids for r in rids] == ref
     # new requests while it is down: still served, computed locally
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    # A prompt the local cache does not hold: its store lookup meets the dead server
+    # whether or not the writer thread still had the first step's blocks to write when
+    # the server died (that race made the error count timing-dependent).
+    unseen = _ids(120, 77)
+    want = _llm(long_model).generate(unseen, GREEDY)[0].outputs[0].token_ids
+    assert llm.generate(unseen, GREEDY)[0].outputs[0].token_ids == want
     assert eng.stats()["kvstore_backend_errors"] >= 1
     redis_server.start()
     import time
