@@ -73,8 +73,8 @@ class Autoscaling(_Base):
     downscale_delay_s: float = Field(
         600.0, ge=0, description="Seconds a decision to remove replicas must hold before Ray acts on it.")
     look_back_period_s: float = Field(
-        30.0, gt=0, description="Seconds over which Ray averages each replica's metrics before the policy "
-        "reads them (Ray Serve's look_back_period_s).")
+        30.0, gt=0, description="Seconds over which Ray aggregates each replica's metrics before the policy "
+        "reads them (Ray Serve's look_back_period_s; kvmesh's policy reads the peak, Ray's the mean).")
     metrics_interval_s: float | None = Field(
         None, gt=0, description="Seconds between a replica's metric pushes to Ray's controller; None keeps "
         "Ray's default (10 s; Ray marks the field deprecated in favour of "
@@ -88,7 +88,7 @@ class Autoscaling(_Base):
         if self.min_replicas > self.max_replicas:
             raise ValueError("autoscaling.min_replicas must be <= max_replicas")
         if self.metrics_interval_s is not None and self.metrics_interval_s >= self.look_back_period_s:
-            raise ValueError("autoscaling.metrics_interval_s must be < look_back_period_s (Ray averages pushes "
+            raise ValueError("autoscaling.metrics_interval_s must be < look_back_period_s (Ray aggregates pushes "
                              "over the look-back period)")
         return self
 
