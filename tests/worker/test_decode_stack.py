@@ -12,6 +12,7 @@ from helpers import assert_logits_close, hf_greedy, hf_step_logits, run_collecti
 from kvmesh import SamplingParams
 from kvmesh.build import build_engine
 from kvmesh.layers import cpu_kernels
+from kvmesh.layers.attention import CpuPagedAttentionBackend
 from kvmesh.layers.ops import STACK_DENSE
 from kvmesh.llm import LLM
 from kvmesh.quant import native
@@ -61,13 +62,36 @@ def test_quantized_stack_equals_layer_loop(model_factory, stack_calls, monkeypat
         _prompts(384), stack_calls, monkeypatch)
 
 
-def test_batched_decode_and_prefill_steps_take_the_layer_loop(model_factory, stack_calls):
+def test_two_and_three_sequence_decode_steps_run_the_stack_bit_for_bit(model_factory, stack_calls, monkeypatch):
+    """Decodes of up to SKINNY_KERNEL_ROWS sequences in one step run the stack too (every
+    linear of such a step takes the skinny GEMM either way): the same bits as the loop."""
+    torch.set_num_threads(1)
+    path = model_factory(qkv_bias=True)
+    prompts = _prompts(384)[1:]  # 3 prompts of 4, 13 and 30 tokens
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    runs = []
+    for stack in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(CpuPagedAttentionBackend, "runs_decode_stack", stack)
+            engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=128)
+            stack_calls.clear()
+            runs.append(run_collecting_logits(engine, prompts, params))
+            assert engine.num_free_blocks == engine.num_usable_blocks
+        if stack:  # the prompts are prefilled in the first step; each later step decodes all 3
+            assert sum(stack_calls) == MAX_NEW - 1
+    (tok_a, lg_a), (tok_b, lg_b) = runs
+    assert tok_a == tok_b
+    for rid in lg_a:
+        assert all(torch.equal(x, y) for x, y in zip(lg_a[rid], lg_b[rid])), rid
+
+
+def test_larger_batches_and_prefill_steps_take_the_layer_loop(model_factory, stack_calls):
     path = model_factory()
     engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=128)
     stack_calls.clear()
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    run_collecting_logits(engine, [[5, 6, 7], [8, 9, 10, 11, 12]], params)
-    # Both requests are prefilled in one step and decode together: no step qualifies.
+    run_collecting_logits(engine, [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18]], params)
+    # All four are prefilled in one step and decode together: no step qualifies.
     assert stack_calls and not any(stack_calls)
     assert engine.num_free_blocks == engine.num_usable_blocks
 

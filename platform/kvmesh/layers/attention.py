@@ -172,8 +172,8 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     the block tables (no gather copy, no padding); prefill chunks as in the reference."""
 
     needs_decode_mask = False
-    # An all-decode step at batch 1 may run the model's whole layer stack as one C++ op
-    # (csrc/decode_stack.cpp) that calls this backend's kernel itself.
+    # An all-decode step of a few sequences may run the model's whole layer stack as one
+    # C++ op (csrc/decode_stack.cpp) that calls this backend's kernel itself.
     runs_decode_stack = True
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

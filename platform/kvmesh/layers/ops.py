@@ -75,11 +75,15 @@ _ONEDNN_DTYPES = {torch.float32, torch.bfloat16} if NATIVE_BF16 else {torch.floa
 PACK_HINT_ROWS = 64
 
 
-# A single row (batch-1 decode) is a matrix-vector product bound by streaming the weight
-# from DRAM: csrc/skinny_gemm.cpp reads the plain weight faster than oneDNN's packed GEMM
-# (2 threads, all of SmolLM2's linears, weights out of cache: fp32 20.0 vs 26.4 ms, bf16
-# 13.4 vs 15.6 ms on an AVX512-BF16 Zen 4). At 2+ rows oneDNN is as fast or faster.
-SKINNY_KERNEL_ROWS = 1
+# A few rows (decode of 1-3 sequences) make a matrix-vector product bound by streaming the
+# weight from DRAM: csrc/skinny_gemm.cpp reads the plain weight faster than oneDNN's packed
+# GEMM. All of SmolLM2's linears, 2 threads, weights out of cache, AVX512-BF16 Zen 4:
+#   rows          1      2      3      4
+#   fp32 skinny  19.8   21.0   22.5   24.4 ms     oneDNN 25.0   26.9   22.3   21.6 ms
+#   bf16 skinny  13.2   14.3   16.2   18.1 ms     oneDNN 15.3   15.9   15.7   15.0 ms
+# At 3 rows they are even, and the skinny GEMM lets the step run as one decode_stack call
+# (~4 ms less per-op cost at SmolLM2's size); at 4 oneDNN is ahead.
+SKINNY_KERNEL_ROWS = 3
 SKINNY_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -111,9 +115,9 @@ class Linear(torch.nn.Linear):
         return linear(x, self.weight, self.bias)
 
     def stack_linear(self) -> tuple[int, list[torch.Tensor], int] | None:
-        """How csrc/decode_stack.cpp runs this layer for one row: (kind, tensors, kernel
-        address), or None where it cannot. A float32 / bf16 weight runs the skinny GEMM,
-        as `forward` does for one row."""
+        """How csrc/decode_stack.cpp runs this layer for up to SKINNY_KERNEL_ROWS rows:
+        (kind, tensors, kernel address), or None where it cannot. A float32 / bf16 weight
+        runs the skinny GEMM, as `forward` does for those rows."""
         if self.weight.dtype not in SKINNY_DTYPES or self.weight.device.type != "cpu":
             return None
         return STACK_DENSE, [self.weight], 0

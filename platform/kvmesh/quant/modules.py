@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvmesh.layers.ops import STACK_INT4, STACK_INT4_MINS, STACK_INT8
+from kvmesh.layers.ops import SKINNY_KERNEL_ROWS, STACK_INT4, STACK_INT4_MINS, STACK_INT8
 from kvmesh.quant import native
 from kvmesh.quant.kernels import int4_matmul, int4_native_layout, int8_matmul, int8_native_layout, native_usable
 from kvmesh.quant.primitives import dequantize_int4, dequantize_int8, unpack_int4
@@ -159,10 +159,11 @@ class QuantLinear(nn.Module):
         return y if bias is None else y + bias
 
     def stack_linear(self) -> tuple[int, list[torch.Tensor], int] | None:
-        """How the decode_stack op (layers/csrc/decode_stack.cpp) runs this layer for one
-        row: what `forward` runs, the native kernel through its C entry point. None where
-        forward would not use that kernel (no kernel here, act-order, other layouts)."""
-        if not native_usable(1, self.device) or self.perm is not None:
+        """How the decode_stack op (layers/csrc/decode_stack.cpp) runs this layer for up to
+        SKINNY_KERNEL_ROWS rows: what `forward` runs, the native kernel through its C entry
+        point. None where forward would not use that kernel (no kernel here, act-order,
+        other layouts)."""
+        if not native_usable(SKINNY_KERNEL_ROWS, self.device) or self.perm is not None:
             return None
         lib = native.get_lib()
         is_int8, qweight, scales, offsets, mins, _, _ = self._fast or self._forward_args()

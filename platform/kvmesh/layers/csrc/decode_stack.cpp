@@ -24,7 +24,7 @@
 //   3 int4 mins [qweight, scales, mins]      } its C entry point, whose address
 //                                                linear_kernels holds; bias added after
 // exactly as the Python modules (layers/ops.py Linear, quant/modules.py QuantLinear) run
-// them for one row. Dense layers need T == 1 for that; the op itself takes up to 4 rows.
+// them for a few rows (layers/ops.py SKINNY_KERNEL_ROWS); the op itself takes up to 4.
 // Activations, norms, biases, dense weights and the KV cache share one dtype: float32 or
 // bfloat16 (quantized layers: float32 only).
 #include <ATen/ATen.h>
