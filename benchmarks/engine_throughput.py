@@ -177,12 +177,17 @@ def run_hf(args, model_path: Path, workload: Workload, warm: list[int], systems:
     return sanity, hf_info
 
 
+def _kvmesh_llm(args, **kw) -> LLM:
+    """The kvmesh engine of the offline runs (fp32 unless `kw` says otherwise)."""
+    return LLM(model=args.model, progress=False, num_threads=args.threads, max_num_seqs=64,
+               max_num_batched_tokens=1024, **kw)
+
+
 def run_bf16(args, workload, systems: dict, b1: dict, phases: dict) -> None:
     """kvmesh with bf16 weights, activations and KV cache on the same workload and batch-1
     prompt (offline protocol as fp32); greedy agreement with the fp32 outputs is recorded."""
     phases["kvmesh_bf16"] = load_snapshot()
-    llm = LLM(model=args.model, progress=False, num_threads=args.threads, max_num_seqs=64,
-              max_num_batched_tokens=1024, dtype="bfloat16")
+    llm = _kvmesh_llm(args, dtype="bfloat16")
     print(f"kvmesh bf16: all requests at once, {args.warmup_passes} warm-up pass(es) + {args.repeats} timed ...")
     r = systems["kvmesh_bf16"] = {**run_kvmesh(llm, workload, args.repeats, args.warmup_passes),
                                   "label": "kvmesh bf16 (continuous batching)"}
@@ -273,8 +278,7 @@ def main(argv=None) -> dict:
 
     print("loading kvmesh engine ...", flush=True)
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, progress=False, num_threads=args.threads, max_num_seqs=64,
-              max_num_batched_tokens=1024)
+    llm = _kvmesh_llm(args)
     kv_load_s = time.perf_counter() - t0
     model_path = Path(llm.engine.model_path)
     workload = make_workload(llm.tokenizer, args.num_requests, args.prompt_range, args.output_range, args.seed)

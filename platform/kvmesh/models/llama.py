@@ -170,11 +170,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.model.rotary.cos_sin(positions, h.dtype)
         stack = self._decode_stack_params(h, meta, backend)
         if stack is not None:
-            cfg = self.cfg
+            attn = self.model.layers[0].self_attn
             return torch.ops.kvmesh.decode_stack(
                 h, cos, sin, *stack, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], meta.slot_mapping,
-                meta.decode_block_table, meta.decode_context_lens, cfg.num_heads, cfg.num_kv_heads,
-                cfg.rms_norm_eps, cfg.head_dim**-0.5)
+                meta.decode_block_table, meta.decode_context_lens, attn.num_heads, attn.num_kv_heads,
+                self.cfg.rms_norm_eps, attn.scale)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer(h, cos, sin, kv_cache, meta, backend)
         return h

@@ -97,6 +97,21 @@ inline void chunk_rows(const scalar_t* kp, const scalar_t* vp, const int64_t* ta
   }
 }
 
+// One head's chunk of n scores `sg`, exponentiated in place against the running max `m`
+// raised to the chunk's max, which is returned; `sum` gets the chunk's sum of exponentials.
+inline float exp_chunk(float* sg, int64_t n, float m, float& sum) {
+  float mx = m;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < n; ++j) {
+    sg[j] = exp_nonpos(sg[j] - mx);
+    s += sg[j];
+  }
+  sum = s;
+  return mx;
+}
+
 // Attend all H query heads `qs` (pre-scaled fp32, H x D) of one sequence over its context
 // tokens [t_begin, t_end); query head x reads KV head x / G. Leaves the unnormalised result
 // in `st`. Whole cache rows (every KV head of a token, contiguous) are read at once: a
@@ -133,15 +148,8 @@ void attend(const float* qs, const scalar_t* kp, const scalar_t* vp, const int64
     }
     // online softmax: rescale the running state to the new max, exponentiate the chunk
     for (int64_t g = 0; g < H; ++g) {
-      float* sg = scores + g * CHUNK;
-      float mx = st.m[g];
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        sg[j] = exp_nonpos(sg[j] - mx);
-        sum += sg[j];
-      }
+      float sum;
+      const float mx = exp_chunk(scores + g * CHUNK, n, st.m[g], sum);
       if (mx != st.m[g]) {
         const float alpha = exp_nonpos(st.m[g] - mx);  // 0 on the first chunk (m = -inf)
         st.l[g] *= alpha;
@@ -197,14 +205,8 @@ void attend_fixed(const float* qs, const scalar_t* kp, const scalar_t* vp, const
         }
         sg[j] = vsum(vadd(a0, a1));
       }
-      float mx = st.m[g];
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        sg[j] = exp_nonpos(sg[j] - mx);
-        sum += sg[j];
-      }
+      float sum;
+      const float mx = exp_chunk(sg, n, st.m[g], sum);
       float* ag = st.acc + g * D;
       vec acc[NV];
       if (mx != st.m[g]) {
