@@ -19,7 +19,7 @@ import torch
 
 from kvmesh.checkpoint.files import load_tokenizer, model_fingerprint, resolve_model_path
 from kvmesh.config import EngineConfig, SpeculativeConfig
-from kvmesh.engine.async_engine import AsyncLLMEngine
+from kvmesh.engine.async_engine import AsyncLLMEngine, StepThread
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.interfaces import ModelInfo
 from kvmesh.engine.outputs import RequestOutput
@@ -125,7 +125,9 @@ def build_engine(config: EngineConfig | None = None, progress: bool = True, **kw
 
 
 def build_async_engine(config: EngineConfig | None = None, progress: bool = True, **kwargs) -> AsyncLLMEngine:
-    return AsyncLLMEngine(build_engine(config, progress, **kwargs))
+    """An AsyncLLMEngine whose model was loaded on its step thread (see async_engine)."""
+    step_thread = StepThread()
+    return AsyncLLMEngine(step_thread.call(lambda: build_engine(config, progress, **kwargs)), step_thread=step_thread)
 
 
 def build_worker(config: EngineConfig | None, server_config: WorkerServerConfig | None = None,
@@ -140,16 +142,24 @@ def build_worker(config: EngineConfig | None, server_config: WorkerServerConfig 
     P/D KV moves device to device by the transports this machine has (CUDA IPC and NCCL
     through cupy on a CUDA device; none on CPU: bytes over gRPC); `gpu_transports` and
     `gpu_node` replace those transports and this machine's node id (tests, embedders);
-    `on_outputs` observes every engine step's outputs (see AsyncLLMEngine)."""
-    parts = build_parts(config, progress)
-    runner = parts.executor.runner
-    gpu_source, gpu_sink = build_gpu_kv(runner, _staging_bytes(parts), gpu_transports, gpu_node)
-    pulled = PulledKVLoader(parts.executor.runner, parts.config.cache.block_size, inner=parts.connector)
-    sources = CacheSourceTracker(pulled)
-    engine = _warm(LLMEngine(parts.config, parts.executor, parts.tokenizer, parts.info,
-                             kv_loader=sources, kv_connector=parts.connector))
-    return WorkerServer(AsyncLLMEngine(engine, on_outputs), server_config or WorkerServerConfig(), pulled, sources, auth,
-                        gpu_source, gpu_sink)
+    `on_outputs` observes every engine step's outputs (see AsyncLLMEngine).
+
+    The model is loaded on the engine's step thread, the thread every step runs on: one
+    OpenMP team per process (see async_engine)."""
+    def build():
+        parts = build_parts(config, progress)
+        runner = parts.executor.runner
+        gpu_source, gpu_sink = build_gpu_kv(runner, _staging_bytes(parts), gpu_transports, gpu_node)
+        pulled = PulledKVLoader(parts.executor.runner, parts.config.cache.block_size, inner=parts.connector)
+        sources = CacheSourceTracker(pulled)
+        engine = _warm(LLMEngine(parts.config, parts.executor, parts.tokenizer, parts.info,
+                                 kv_loader=sources, kv_connector=parts.connector))
+        return engine, pulled, sources, gpu_source, gpu_sink
+
+    step_thread = StepThread()
+    engine, pulled, sources, gpu_source, gpu_sink = step_thread.call(build)
+    return WorkerServer(AsyncLLMEngine(engine, on_outputs, step_thread), server_config or WorkerServerConfig(), pulled,
+                        sources, auth, gpu_source, gpu_sink)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:

@@ -89,6 +89,45 @@ def test_every_step_runs_on_one_thread(engine, monkeypatch):
     assert engine.num_free_blocks == engine.num_usable_blocks
 
 
+def test_model_load_steps_and_between_step_calls_share_one_thread(tiny_llama, monkeypatch):
+    """build_async_engine loads the model on the step thread, and run_between_steps calls
+    (block reads for KV transfers, stats) run there too: a torch op on any other thread
+    leaves a second OpenMP team, and libgomp then throttles every worker's spin-wait."""
+    import threading
+
+    import kvmesh.build as build
+
+    threads = {}
+    real_parts = build.build_parts
+
+    def parts(*args, **kwargs):
+        threads["load"] = threading.get_ident()
+        return real_parts(*args, **kwargs)
+
+    monkeypatch.setattr(build, "build_parts", parts)
+    aeng = build.build_async_engine(model=str(tiny_llama), progress=False, block_size=4, num_blocks=64,
+                                    max_model_len=128)
+    real_step = aeng.engine.step
+
+    def step():
+        threads.setdefault("steps", set()).add(threading.get_ident())
+        return real_step()
+
+    monkeypatch.setattr(aeng.engine, "step", step)
+
+    async def main():
+        async for _ in aeng.generate(_prompt(9), SamplingParams(max_tokens=4, ignore_eos=True)):
+            threads["call"] = await aeng.run_between_steps(threading.get_ident)
+        with pytest.raises(ZeroDivisionError):  # a failing call raises in its caller only
+            await aeng.run_between_steps(lambda: 1 / 0)
+        assert await aeng.run_between_steps(lambda: aeng.engine.num_free_blocks) == aeng.engine.num_usable_blocks
+        await aeng.shutdown()
+
+    asyncio.run(main())
+    assert threads["steps"] == {threads["load"]} == {threads["call"]}
+    assert threads["load"] != threading.get_ident()
+
+
 def test_cancel_and_break_free_blocks_others_unaffected(engine):
     long = SamplingParams(max_tokens=200, ignore_eos=True)
 

@@ -1,11 +1,16 @@
 """AsyncLLMEngine: an LLMEngine driven by a background step loop, for servers.
 
-The loop runs as an asyncio task; each `step()` runs in one dedicated step thread
-(torch releases the GIL), so the event loop keeps accepting requests. One thread, not
-a pool: an OpenMP team belongs to the thread that starts it, so steps alternating over
-two pool threads kept two teams, and the idle team's spinning workers took cores from
-the running one (served throughput ~8% under the offline engine on 2 cores). Adds and aborts
-from callers are queued and applied by the loop between steps, so the engine is
+The loop runs as an asyncio task; the engine's work runs on one dedicated thread, the
+`StepThread` (torch releases the GIL), so the event loop keeps accepting requests. One
+thread for everything that computes: an OpenMP team belongs to the thread that starts it.
+- Steps alternating over two pool threads kept two teams, and the idle team's spinning
+  workers took cores from the running one (served throughput ~8% under the offline engine).
+- A model loaded (or a block read) on the event-loop thread leaves a second team too, and
+  with more OpenMP threads than cores libgomp throttles its spin-wait to ~1000 iterations:
+  workers sleep between parallel regions and every region pays a futex wake-up (steps
+  ~8% slower, 178% CPU instead of 199% on 2 cores). So `build_worker` loads the model on
+  the step thread, and calls queued with `run_between_steps` run there as well.
+Adds, aborts and calls from callers are queued and applied between steps, so the engine is
 only ever touched by one thread at a time. `generate()` is an async iterator of
 RequestOutput; leaving it early (break, cancellation, client disconnect) aborts the
 request and frees its KV blocks.
@@ -24,7 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from kvmesh.engine.engine import LLMEngine, pin_request_id
 from kvmesh.engine.outputs import RequestOutput
@@ -33,12 +38,30 @@ from kvmesh.errors import EngineDeadError, InvalidRequestError, StepFailedError
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+
+class StepThread:
+    """The one thread an engine computes on: model loading, steps, block reads."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-step")
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the step thread and wait for it (not from a running event loop)."""
+        return self._pool.submit(fn).result()
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine,
-                 on_outputs: Callable[[list[RequestOutput]], None] | None = None):
+                 on_outputs: Callable[[list[RequestOutput]], None] | None = None,
+                 step_thread: StepThread | None = None):
         """`on_outputs` sees every step's outputs on the loop thread, before they are
-        delivered (telemetry, the autoscaling latency window)."""
+        delivered (telemetry, the autoscaling latency window). `step_thread`: the thread
+        the engine was built on (see the module doc); a new one if None."""
         self.engine = engine
         self._on_outputs = on_outputs
         self._queues: dict[str, asyncio.Queue] = {}
@@ -52,7 +75,7 @@ class AsyncLLMEngine:
         # When the running step (or between-steps call) started; None while idle.
         self._busy_since: float | None = None
         self.step_timeout_s = engine.config.scheduler.step_timeout_s
-        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-step")
+        self._step_thread = step_thread or StepThread()
 
     @property
     def tokenizer(self):
@@ -169,12 +192,12 @@ class AsyncLLMEngine:
             self._wakeup.set()
 
     async def run_between_steps(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn()` on the loop thread while no step is running; returns its result.
+        """Run `fn()` on the step thread while no step is running; returns its result.
 
         The engine (block pool, runner KV tensors) is not thread-safe: anything that
         touches it from outside the step loop (releasing held KV, reading blocks for
-        a transfer, snapshotting the prefix cache) goes through here. `fn` blocks the
-        event loop while it runs, so keep it short.
+        a transfer, snapshotting the prefix cache) goes through here. `fn` delays the
+        next step while it runs, so keep it short; it must not touch asyncio objects.
         """
         self._ensure_loop()
         fut = asyncio.get_running_loop().create_future()
@@ -182,37 +205,55 @@ class AsyncLLMEngine:
         self._wakeup.set()
         return await fut
 
-    def _apply_pending(self) -> None:
-        calls, self._pending_calls = self._pending_calls, []
-        for fn, fut in calls:
-            if fut.done():  # the caller was cancelled
-                continue
-            self._busy_since = time.monotonic()
+    async def _apply_pending(self) -> None:
+        """Apply queued calls, adds and aborts on the step thread; deliver on the loop."""
+        calls = [(fn, fut) for fn, fut in self._pending_calls if not fut.done()]  # done: caller cancelled
+        adds, aborts = self._pending_adds, self._pending_aborts
+        self._pending_calls, self._pending_adds, self._pending_aborts = [], [], set()
+        if not (calls or adds or aborts):
+            return
+        self._busy_since = time.monotonic()
+        try:
+            results, add_errors = await self._step_thread.run(lambda: self._apply(calls, adds, aborts))
+        except BaseException as exc:  # the step thread is gone; callers hear why
+            for _, fut in calls:
+                if not fut.done():
+                    fut.set_exception(EngineDeadError(f"engine step thread failed: {exc!r}"))
+            raise
+        finally:
+            self._busy_since = None
+        for (_, fut), (ok, value) in zip(calls, results):
+            if not fut.done():
+                fut.set_result(value) if ok else fut.set_exception(value)
+        for rid, exc in add_errors:
+            q = self._queues.get(rid)
+            if q is not None:
+                q.put_nowait(exc)
+
+    def _apply(self, calls, adds, aborts) -> tuple[list[tuple[bool, Any]], list[tuple[str, Exception]]]:
+        """On the step thread: run the calls, add the requests, apply the aborts."""
+        results: list[tuple[bool, Any]] = []
+        for fn, _ in calls:
             try:
-                fut.set_result(fn())
+                results.append((True, fn()))
             except Exception as exc:
-                fut.set_exception(exc)
-            finally:
-                self._busy_since = None
-        adds, self._pending_adds = self._pending_adds, []
+                results.append((False, exc))
+        add_errors = []
         for rid, ids, params, text, hold_kv in adds:
-            if rid in self._pending_aborts:
+            if rid in aborts:
                 continue
             try:
                 self.engine.add_request(rid, ids, params, prompt_text=text, hold_kv=hold_kv)
             except Exception as exc:  # validated already; defensive, never kill the loop
-                q = self._queues.get(rid)
-                if q is not None:
-                    q.put_nowait(exc)
-        if self._pending_aborts:
-            aborts, self._pending_aborts = self._pending_aborts, set()
+                add_errors.append((rid, exc))
+        if aborts:
             self.engine.abort(aborts)
+        return results, add_errors
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while True:
-                self._apply_pending()
+                await self._apply_pending()
                 if not self.engine.has_unfinished():
                     self._wakeup.clear()
                     if not self._pending_adds and not self._pending_aborts and not self._pending_calls:
@@ -220,7 +261,7 @@ class AsyncLLMEngine:
                     continue
                 self._busy_since = time.monotonic()
                 try:
-                    outputs = await loop.run_in_executor(self._step_thread, self.engine.step)
+                    outputs = await self._step_thread.run(self.engine.step)
                 except StepFailedError as exc:  # those requests only; the engine serves on
                     for rid in exc.request_ids:
                         q = self._queues.get(rid)
