@@ -223,8 +223,12 @@ class AsyncLLMEngine:
         finally:
             self._busy_since = None
         for (_, fut), (ok, value) in zip(calls, results):
-            if not fut.done():
-                fut.set_result(value) if ok else fut.set_exception(value)
+            if fut.done():
+                continue
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
         for rid, exc in add_errors:
             q = self._queues.get(rid)
             if q is not None:
