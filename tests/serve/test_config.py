@@ -12,12 +12,22 @@ from kvmesh.cli.serve import serving_config_from_args
 from kvmesh.serve.config import ServingConfig
 
 
-def test_defaults_are_unified_embedded_memory_store():
+def test_defaults_are_unified_embedded_no_store():
     cfg = ServingConfig()
     assert not cfg.disaggregated and list(cfg.roles()) == ["unified"]
     eng = cfg.engine_for("unified")
-    assert eng.model.model is None and eng.kv_store == "memory"
+    # No Redis: each worker's own prefix cache only. A private memory store would copy every
+    # prompt block into the host memory the CPU KV cache already lives in.
+    assert eng.model.model is None and eng.kv_store is None
     assert (cfg.grpc_port, cfg.http_port) == (50051, 8000)
+
+
+def test_private_memory_store_is_opt_in_and_redis_wins():
+    cfg = ServingConfig.model_validate({"engine": {"kv_store": "memory"}})
+    assert cfg.engine_for("unified").kv_store == "memory"
+    cfg = ServingConfig.model_validate({"engine": {"kv_store": "memory"},
+                                        "kv_store": {"redis_url": "redis://r:6379/0"}})
+    assert cfg.engine_for("unified").kv_store == "redis://r:6379/0"
 
 
 def test_roles_overrides_and_store():

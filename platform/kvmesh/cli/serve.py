@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
                    help="join this Ray cluster (e.g. auto, ray://head:10001); default: start a local Ray instance")
     s.add_argument("--detach", action="store_true",
                    help="deploy or update the app on --address and exit (e.g. to change replica counts)")
-    s.add_argument("--redis-url", default=None, help="shared KV store redis://host:port/db (default: in-memory)")
+    s.add_argument("--redis-url", default=None, help="shared KV store redis://host:port/db (default: none, each "
+                   "worker's own prefix cache; --kv-store memory adds a private in-process tier)")
     s.add_argument("--prefill-replicas", type=int, default=None,
                    help="prefill replicas; > 0 means disaggregated prefill/decode (default: from config, 0; "
                         "--local: 1)")

@@ -144,12 +144,11 @@ class KVStoreConfig(_Base):
     """The shared KV block store the workers read and write (prefix / prompt cache)."""
 
     redis_url: str | None = Field(
-        None, description="redis://host:port/db; None keeps one in-process memory store per worker."
+        None, description="redis://host:port/db. None: no shared store; each worker keeps its own prefix cache "
+        "(engine.kv_store: memory adds a private in-process second tier, worth it only when the KV cache is on "
+        "a GPU: on CPU it copies every prompt block into the same host memory).",
     )
     ttl_s: float = Field(3600.0, gt=0, description="TTL of KV blocks written to the store.")
-
-    def url(self) -> str:
-        return self.redis_url or "memory"
 
 
 class SecurityConfig(_Base):
@@ -238,8 +237,8 @@ class ServingConfig(_Base):
     def engine_for(self, role: str) -> EngineConfig:
         """The engine config of one role: the shared one, the store, then the role's overrides."""
         base = self.engine.model_dump()
-        if self.kv_store.redis_url is not None or base.get("kv_store") is None:
-            base["kv_store"] = self.kv_store.url()
+        if self.kv_store.redis_url is not None:
+            base["kv_store"] = self.kv_store.redis_url
         base["kv_store_ttl_s"] = self.kv_store.ttl_s
         cfg = EngineConfig(**base)
         try:
