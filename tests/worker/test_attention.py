@@ -124,3 +124,66 @@ def test_paged_decode_kernel_refuses_bad_input():
     with pytest.raises(RuntimeError, match="share a dtype"):
         torch.ops.kvmesh.paged_decode_attention(torch.zeros(1, 1, 8, dtype=torch.bfloat16), kc, kc,
                                                 torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)
+
+
+def _shared_prefix_batch(groups, own_lens, bs, g, num_blocks):
+    """Block tables where the sequences of each group start with the same physical blocks
+    (what prefix-cache hits hand out), followed by blocks of their own. `groups`: (shared
+    blocks, members) pairs; `own_lens`: tokens of its own per sequence, in group order."""
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    rows, lens, i = [], [], 0
+    for shared_blocks, members in groups:
+        prefix = [free.pop() for _ in range(shared_blocks)]
+        for _ in range(members):
+            own = own_lens[i]
+            i += 1
+            rows.append(prefix + [free.pop() for _ in range(-(-own // bs))])
+            lens.append(shared_blocks * bs + own)
+    width = max(map(len, rows))
+    # Padding past a row's blocks is block 0 in every row: it must never count as shared.
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows]), torch.tensor(lens)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("groups, own_lens", [
+    # 4 groups of 3 sharing 32 blocks (a 512-token system prompt), 1-64 own tokens each
+    ([(32, 3)] * 4, [1, 17, 64, 5, 16, 33, 2, 48, 15, 9, 31, 64]),
+    # groups of 2 and 5 beside lone sequences (a group of one shares nothing)
+    ([(6, 2), (1, 1), (9, 5), (4, 1)], [3, 40, 7, 1, 16, 29, 64, 12, 5]),
+    # members whose whole context is the shared prefix (nothing of their own) beside one with 5
+    ([(5, 3)], [0, 0, 5]),
+    # prefixes shorter than the cascade's minimum (4 blocks): the plain path
+    ([(3, 4)], [10, 20, 30, 40]),
+    # two sequences, few enough that contexts are split into partitions too
+    ([(40, 2)], [20, 300]),
+])
+def test_paged_decode_kernel_shared_prefixes(dtype, tol, groups, own_lens):
+    """Sequences whose tables share leading blocks take the cascade path (the shared
+    blocks attended once for all sharers, merged by log-sum-exp): same result as dense
+    attention, and as the same sequences on tables that share nothing (copies of the
+    prefix blocks), batch order shuffled so sharers are not neighbours."""
+    if not cpu_kernels.load():
+        pytest.fail("C++ CPU kernels failed to build on this machine")
+    g = torch.Generator().manual_seed(len(own_lens))
+    bs, h, kvh, d, nb = 16, 9, 3, 64, 1600
+    table, lens = _shared_prefix_batch(groups, own_lens, bs, g, nb)
+    perm = torch.randperm(len(lens), generator=g)
+    table, lens = table[perm].contiguous(), lens[perm].contiguous()
+    kc = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
+    q = torch.randn(len(lens), h, d, generator=g).to(dtype)
+    out = torch.ops.kvmesh.paged_decode_attention(q, kc, vc, table, lens, d**-0.5)
+    ref = _decode_reference(q, kc, vc, table, lens, d**-0.5)
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    # Unshared: every sequence's blocks copied to blocks of its own (same K/V, no sharing).
+    kc2, vc2 = kc.clone(), vc.clone()
+    table2, nxt = table.clone(), nb
+    kc2 = torch.cat([kc2, torch.zeros(table.numel(), bs, kvh, d, dtype=dtype)])
+    vc2 = torch.cat([vc2, torch.zeros(table.numel(), bs, kvh, d, dtype=dtype)])
+    for b in range(len(lens)):
+        for i in range(-(-int(lens[b]) // bs)):
+            kc2[nxt], vc2[nxt] = kc[table[b, i]], vc[table[b, i]]
+            table2[b, i] = nxt
+            nxt += 1
+    alone = torch.ops.kvmesh.paged_decode_attention(q, kc2, vc2, table2, lens, d**-0.5)
+    torch.testing.assert_close(out.float(), alone.float(), rtol=tol, atol=tol)

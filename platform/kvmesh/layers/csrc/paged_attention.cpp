@@ -23,7 +23,10 @@
 //   ~1 ulp), not a libm call per score;
 // - tasks are scheduled dynamically, longest first; when there are too few (batch-1
 //   decode: one task per KV head) contexts are split into partitions that are merged by
-//   their log-sum-exp afterwards (flash-decoding), so every core has work.
+//   their log-sum-exp afterwards (flash-decoding), so every core has work;
+// - sequences whose tables start with the same blocks (a shared system prompt, hit in the
+//   prefix cache) attend those blocks in one task for all of them (cascade attention, see
+//   `shared_groups`): the prefix is read once per step, not once per sequence.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -249,6 +252,59 @@ AttendFn<scalar_t> pick_attend(int64_t D) {
   return attend<scalar_t>;
 }
 
+// Sequences whose block tables begin with the same block ids share that prefix's K/V: a
+// prefix-cache hit hands out the same physical blocks, and shared blocks are full and never
+// written again. Cascade attention reads such a prefix once per step for all its sharers:
+// one task attends the n sharers' queries (n x H rows) over the shared tokens, each sharer
+// attends its own tokens alone, and the two partial softmaxes merge by log-sum-exp like the
+// partitions below. Decode attention streams the cache at copy bandwidth, so reading a
+// 512-token system prompt once for 3 sharers instead of 3 times cuts its bytes ~3x.
+struct Group {
+  int64_t first, n;   // members: order[first .. first + n)
+  int64_t shared;     // leading tokens every member has in the same blocks (whole blocks)
+};
+
+// Blocks shared between full-block runs of two table rows: leading equal ids, counting only
+// blocks both sequences attend completely (a row's tail past its length is padding).
+inline int64_t common_blocks(const int64_t* a, const int64_t* b, int64_t nfull) {
+  int64_t i = 0;
+  while (i < nfull && a[i] == b[i]) ++i;
+  return i;
+}
+
+// Groups of >= 2 sequences sharing >= kMinSharedBlocks leading blocks: rows sorted
+// lexicographically over their full blocks, then maximal runs whose adjacent common
+// prefixes all reach the minimum (the run's shared prefix is the least of them).
+constexpr int64_t kMinSharedBlocks = 4;
+
+std::vector<Group> shared_groups(const int64_t* tp, const int64_t* lp, int64_t B, int64_t max_blocks, int64_t bs,
+                                 std::vector<int64_t>& order) {
+  order.resize(B);
+  std::iota(order.begin(), order.end(), 0);
+  std::vector<Group> groups;
+  if (B < 2) return groups;
+  auto nfull = [&](int64_t b) { return std::min(lp[b] / bs, max_blocks); };
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    const int64_t n = std::min(nfull(x), nfull(y));
+    const int64_t c = common_blocks(tp + x * max_blocks, tp + y * max_blocks, n);
+    if (c < n) return tp[x * max_blocks + c] < tp[y * max_blocks + c];
+    return nfull(x) < nfull(y) || (nfull(x) == nfull(y) && x < y);
+  });
+  for (int64_t i = 0; i < B;) {
+    int64_t j = i + 1, shared = nfull(order[i]);
+    while (j < B) {
+      const int64_t a = order[j - 1], b = order[j];
+      const int64_t c = common_blocks(tp + a * max_blocks, tp + b * max_blocks, std::min(nfull(a), nfull(b)));
+      if (c < kMinSharedBlocks) break;
+      shared = std::min(shared, c);
+      ++j;
+    }
+    if (j - i >= 2) groups.push_back({i, j - i, shared * bs});
+    i = j;
+  }
+  return groups;
+}
+
 template <typename scalar_t>
 void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                    const at::Tensor& tables, const at::Tensor& lens, double scale) {
@@ -273,52 +329,96 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   if (B < 4 * threads) parts = std::max<int64_t>(1, std::min((4 * threads + B - 1) / B, max_len / kMinPart));
   const int64_t part_len = (max_len + parts - 1) / parts;
 
-  // Tasks (sequence, partition), longest first so dynamic scheduling balances ragged batches.
+  std::vector<int64_t> order;
+  const std::vector<Group> groups = shared_groups(tp, lp, B, max_blocks, bs, order);
+  std::vector<int64_t> own_from(B, 0);  // first token a sequence attends on its own
+  int64_t max_group = 1;
+  for (const Group& gr : groups) {
+    max_group = std::max(max_group, gr.n);
+    for (int64_t m = 0; m < gr.n; ++m) own_from[order[gr.first + m]] = gr.shared;
+  }
+
+  // Tasks: (sequence, partition) over the tokens it attends alone, and (group, partition)
+  // over a group's shared tokens; longest work first so dynamic scheduling balances them.
+  // Partition p covers tokens [p * part_len, (p + 1) * part_len), clipped to the task's range.
   struct Task {
-    int64_t b, p, begin, end;
+    int64_t b, group, p, begin, end;  // group -1: a sequence's own tokens
   };
   std::vector<Task> tasks;
-  tasks.reserve(B * parts);
+  tasks.reserve((B + groups.size()) * parts);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t p = 0; p < parts; ++p) {
-      const int64_t begin = p * part_len, end = std::min(lp[b], begin + part_len);
-      if (begin < end) tasks.push_back({b, p, begin, end});
+      const int64_t begin = std::max(own_from[b], p * part_len), end = std::min(lp[b], (p + 1) * part_len);
+      if (begin < end) tasks.push_back({b, -1, p, begin, end});
     }
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& x, const Task& y) { return x.end - x.begin > y.end - y.begin; });
+  for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi)
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t begin = p * part_len, end = std::min(groups[gi].shared, (p + 1) * part_len);
+      if (begin < end) tasks.push_back({order[groups[gi].first], gi, p, begin, end});
+    }
+  auto work = [&](const Task& t) { return (t.end - t.begin) * (t.group < 0 ? 1 : groups[t.group].n); };
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& x, const Task& y) { return work(x) > work(y); });
 
-  // State of each (sequence, partition): H heads x {m, l, acc[D]}; l = 0 marks "no tokens".
-  const int64_t slot = H * (2 + D);
-  std::vector<float> state(B * parts * slot, 0.f);
+  // State of each (sequence, slot): H heads x {m, l, acc[D]}; l = 0 marks "no tokens".
+  // Slots 0 .. parts-1 hold its own partitions, parts .. 2 parts-1 its group's.
+  const int64_t slot = H * (2 + D), slots = 2 * parts;
+  std::vector<float> state(B * slots * slot, 0.f);
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
   const AttendFn<scalar_t> attend_fn = pick_attend<scalar_t>(D);
 
 #pragma omp parallel num_threads(std::min(threads, ntasks))
   {
-    std::vector<float> qs(H * D), scores(H * CHUNK);
+    const int64_t rows_max = max_group * H;
+    std::vector<float> qs(rows_max * D), scores(rows_max * CHUNK), gstate(rows_max * (2 + D));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ntasks; ++i) {
       const Task& tk = tasks[i];
-      const scalar_t* qrow = qp + tk.b * H * D;
-      for (int64_t x = 0; x < H * D; ++x) qs[x] = static_cast<float>(qrow[x]) * fscale;
-      float* s = state.data() + (tk.b * parts + tk.p) * slot;
-      attend_fn(qs.data(), kp, vp, tp + tk.b * max_blocks, bs, KVH, D, G, tk.begin, tk.end,
-                Partial{s, s + H, s + 2 * H}, scores.data());
+      if (tk.group < 0) {
+        const scalar_t* qrow = qp + tk.b * H * D;
+        for (int64_t x = 0; x < H * D; ++x) qs[x] = static_cast<float>(qrow[x]) * fscale;
+        float* s = state.data() + (tk.b * slots + tk.p) * slot;
+        attend_fn(qs.data(), kp, vp, tp + tk.b * max_blocks, bs, KVH, D, G, tk.begin, tk.end,
+                  Partial{s, s + H, s + 2 * H}, scores.data());
+        continue;
+      }
+      // The group's queries as one sequence of n x H heads, ordered (KV head, member, head
+      // within the KV head), so query row r reads KV head r / (n G), as `attend` expects.
+      const Group& gr = groups[tk.group];
+      const int64_t n = gr.n, R = n * H;
+      for (int64_t k = 0; k < KVH; ++k)
+        for (int64_t m = 0; m < n; ++m)
+          for (int64_t g = 0; g < G; ++g) {
+            const scalar_t* src = qp + (order[gr.first + m] * H + k * G + g) * D;
+            float* dst = qs.data() + ((k * n + m) * G + g) * D;
+            for (int64_t x = 0; x < D; ++x) dst[x] = static_cast<float>(src[x]) * fscale;
+          }
+      float* gm = gstate.data();
+      attend_fn(qs.data(), kp, vp, tp + tk.b * max_blocks, bs, KVH, D, n * G, tk.begin, tk.end,
+                Partial{gm, gm + R, gm + 2 * R}, scores.data());
+      for (int64_t k = 0; k < KVH; ++k)
+        for (int64_t m = 0; m < n; ++m)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = (k * n + m) * G + g, h = k * G + g;
+            float* s = state.data() + (order[gr.first + m] * slots + parts + tk.p) * slot;
+            s[h] = gm[r];
+            s[H + h] = gm[R + r];
+            std::memcpy(s + 2 * H + h * D, gm + 2 * R + r * D, D * sizeof(float));
+          }
     }
   }
 
-  // Merge the partitions of each sequence by log-sum-exp and normalise.
+  // Merge the slots of each sequence by log-sum-exp and normalise.
   at::parallel_for(0, B, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t b = begin; b < end; ++b) {
-      const float* base = state.data() + b * parts * slot;
+      const float* base = state.data() + b * slots * slot;
       for (int64_t g = 0; g < H; ++g) {
         float m = -INFINITY;
-        for (int64_t p = 0; p < parts; ++p)
+        for (int64_t p = 0; p < slots; ++p)
           if (base[p * slot + H + g] > 0.f) m = std::max(m, base[p * slot + g]);
         float l = 0.f;
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t p = 0; p < parts; ++p) {
+        for (int64_t p = 0; p < slots; ++p) {
           const float* s = base + p * slot;
           if (!(s[H + g] > 0.f)) continue;
           const float w = exp_nonpos(s[g] - m);
