@@ -71,10 +71,6 @@ class WorkerRegistryActor:
             self._bump()
         return min((t + self.ttl_s - now for _, t in alive.values()), default=None)
 
-    async def workers(self) -> dict[str, str]:
-        self._expire()
-        return {a: r for a, (r, _) in self._workers.items()}
-
     async def watch(self, version: int, timeout_s: float = 10.0) -> tuple[int, dict[str, str]]:
         """(version, workers) once the membership is not the caller's `version` any more,
         or after `timeout_s` (then unchanged). Expiries count as changes."""
@@ -115,7 +111,7 @@ class RayActorRegistry:
     def _watch(self, timeout_s: float, retry_s: float) -> None:
         version = 0  # never the actor's: the first call answers at once
         # A registry actor left by an older kvmesh (detached, it outlives a redeploy) has no
-        # watch: poll it as that version did.
+        # watch: poll its `workers` as that version did.
         can_watch = hasattr(self._actor, "watch")
         while not self._stop.is_set():
             try:

@@ -360,8 +360,9 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& x, const Task& y) { return work(x) > work(y); });
 
   // State of each (sequence, slot): H heads x {m, l, acc[D]}; l = 0 marks "no tokens".
-  // Slots 0 .. parts-1 hold its own partitions, parts .. 2 parts-1 its group's.
-  const int64_t slot = H * (2 + D), slots = 2 * parts;
+  // Slots 0 .. parts-1 hold its own partitions, parts .. 2 parts-1 its group's (only when
+  // there are groups: a batch without shared prefixes zeroes and merges no extra slots).
+  const int64_t slot = H * (2 + D), slots = groups.empty() ? parts : 2 * parts;
   std::vector<float> state(B * slots * slot, 0.f);
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
   const AttendFn<scalar_t> attend_fn = pick_attend<scalar_t>(D);
