@@ -73,3 +73,57 @@ def test_skinny_kernel_matches_reference(dtype, tol, rows, out_features):
             torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * 20)
     with pytest.raises(RuntimeError, match="at most 4 rows"):
         torch.ops.kvmesh.skinny_linear(torch.zeros(5, 8), torch.zeros(3, 8), None)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("rows", [1, 5, 12, 16, 17, 33, 48, 64, 65, 130])  # every register tile, partial and multi-block
+@pytest.mark.parametrize("out_features", [1, 6, 13, 131])  # whole tiles of 6 / 8 / 12 / 16 rows and remainders
+def test_small_kernel_matches_reference(dtype, tol, rows, out_features):
+    if not cpu_kernels.load():
+        pytest.fail("C++ CPU kernels failed to build on this machine")
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    for k in (576, 37):  # whole blocks of 16 k, and a tail
+        w = torch.randn(out_features, k, generator=g).to(dtype)
+        b = torch.randn(out_features, generator=g).to(dtype)
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        for bias in (None, b):
+            out = torch.ops.kvmesh.small_linear(x, w, bias)
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert out.dtype == dtype and out.shape == (rows, out_features)
+            torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * 20)
+        # a strided (non-contiguous) input is read as its values
+        wide = torch.randn(rows, 2 * k, generator=g).to(dtype)
+        torch.testing.assert_close(torch.ops.kvmesh.small_linear(wide[:, ::2], w, None).double(),
+                                   F.linear(wide[:, ::2].double(), w.double()), rtol=tol, atol=tol * 20)
+    assert torch.ops.kvmesh.small_linear(torch.zeros(0, 8), torch.zeros(3, 8), None).shape == (0, 3)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        torch.ops.kvmesh.small_linear(torch.zeros(4, 8), torch.zeros(3, 8, dtype=torch.bfloat16), None)
+
+
+def test_linear_runs_the_small_kernel_for_decode_batches(monkeypatch):
+    """fp32 Linear with rows in SMALL_GEMM_ROWS runs csrc/small_gemm.cpp (and matches F.linear);
+    outside it, or with it switched off, it does not."""
+    if not cpu_kernels.load():
+        pytest.fail("C++ CPU kernels failed to build on this machine")
+    calls = []
+    real = torch.ops.kvmesh.small_linear
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(torch.ops.kvmesh, name)
+
+        def small_linear(self, *a):
+            calls.append(a[0].shape[0])
+            return real(*a)
+
+    lin = ops.Linear(64, 40)
+    lo, hi = ops.SMALL_GEMM_ROWS
+    monkeypatch.setattr(ops.torch.ops, "kvmesh", Spy(), raising=False)
+    with torch.inference_mode():
+        for rows in (lo - 1, lo, hi, hi + 1):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-4, atol=1e-4)
+        assert calls == [lo, hi]
+        monkeypatch.setattr(ops, "SMALL_GEMM", False)
+        lin(torch.randn(lo, 64))
+        assert calls == [lo, hi]

@@ -87,6 +87,20 @@ SKINNY_KERNEL_ROWS = 3
 SKINNY_DTYPES = (torch.float32, torch.bfloat16)
 
 
+# Decode batches of a few dozen rows: csrc/small_gemm.cpp streams the plain weight once while
+# computing all rows from registers, where oneDNN's packed GEMM pays for the weight stream and
+# the FLOPs one after the other. All of SmolLM2-135M's decoder linears, 2 threads, weights
+# out of cache (Intel Xeon, AVX-512; oneDNN limited to AVX2 for the AVX2 build):
+#   rows                    12    16    24    32    48    64
+#   small / oneDNN AVX-512  1.0x  1.06x 1.05x 1.14x 1.2x  1.17x
+#   small / oneDNN AVX2      -    1.49x 1.08x 1.21x 1.12x 0.99x
+# and the lm_head (49152 x 576) 1.03x at 16 rows to 1.27x at 48. Fewer rows stay on the skinny
+# kernel / oneDNN, more on oneDNN. float32 weights only: bf16 weights keep oneDNN, which runs
+# them on AMX / AVX512-BF16. KVMESH_SMALL_GEMM=0 turns it off.
+SMALL_GEMM = os.environ.get("KVMESH_SMALL_GEMM", "1") != "0"
+SMALL_GEMM_ROWS = (12, 64)
+
+
 # Kinds of linear layer csrc/decode_stack.cpp runs (see `stack_linear`): a float32 weight,
 # or kvmesh's int8 / int4 (zero points or GGUF Q4_1 mins) weight-only quantized kernels.
 STACK_DENSE, STACK_INT8, STACK_INT4, STACK_INT4_MINS = 0, 1, 2, 3
@@ -98,8 +112,9 @@ def onednn_usable(weight: torch.Tensor) -> bool:
 
 
 class Linear(torch.nn.Linear):
-    """nn.Linear (same parameters and state dict) whose CPU forward runs oneDNN on a
-    reordered copy of the weight, or `linear` above where oneDNN does not serve the dtype."""
+    """nn.Linear (same parameters and state dict) whose CPU forward runs the skinny kernel for
+    a few rows, the small-batch kernel for a few dozen (fp32), else oneDNN on a reordered copy
+    of the weight, or `linear` above where oneDNN does not serve the dtype."""
 
     _packed: torch.Tensor | None = None
 
@@ -107,6 +122,9 @@ class Linear(torch.nn.Linear):
         if (x.dim() == 2 and x.shape[0] <= SKINNY_KERNEL_ROWS and self.weight.dtype in SKINNY_DTYPES
                 and x.dtype == self.weight.dtype and cpu_kernels.fused(x)):
             return torch.ops.kvmesh.skinny_linear(x, self.weight, self.bias)
+        if (SMALL_GEMM and x.dim() == 2 and SMALL_GEMM_ROWS[0] <= x.shape[0] <= SMALL_GEMM_ROWS[1]
+                and self.weight.dtype == torch.float32 and x.dtype == torch.float32 and cpu_kernels.fused(x)):
+            return torch.ops.kvmesh.small_linear(x, self.weight, self.bias)
         if x.dim() == 2 and onednn_usable(self.weight):
             if self._packed is None:
                 with torch.no_grad():
