@@ -24,6 +24,18 @@
  *   scaled once, and the offsets cost one vectorized dot product per output row.
  *   The even / odd columns of x (and its group sums) are split once per call into a
  *   scratch buffer, so the nibbles of 16 bytes meet 16 contiguous floats each.
+ *
+ * AVX-512 (built with -mavx512f -mavx512bw where the CPU has them, see native.py): the same
+ * layouts, 16 lanes. An int4 group of 32 weights is then one 16-byte load that widens into a
+ * single register (low nibbles = 16 even columns, high = 16 odd ones); the nibbles are scaled
+ * before the FMA (2 multiplies a group, shared by the rows) instead of scaling a per-group
+ * partial sum, so the accumulators run across groups, two sets of them (even / odd groups)
+ * to hide the FMA latency. The AVX2 loops are unchanged.
+ *
+ * Measured, batch-1 Q4_1 decode of SmolLM2-135M, 2 threads, Intel Xeon (AVX-512), weights out
+ * of cache: the decoder's GEMMs 13.1 ms a step (5 GB/s) -> 7.1-7.3 with the row prefetch below
+ * and these loops (the prefetch did most of it); its int8 (Q8_0) lm_head 3.9 -> 2.6 ms; the
+ * whole step 15.4 -> 11.4 ms (65 -> 88 tok/s).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -66,29 +78,6 @@ INLINE void int8_tile(const int MT, const float* x, int64_t K, const int8_t* wr,
     for (int r = 0; r < MT; r++) out[r] = hsum(tot[r]);
 }
 
-/* K % 16 == 0, G % 16 == 0, K % G == 0. */
-void kvm_int8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* s, int64_t G,
-                   int64_t N, float* y) {
-    const int64_t ng = K / G;
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t* wr = w + n * K;
-        const float* sr = s + n * ng;
-        float out[MT_MAX];
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) {
-            int8_tile(4, x + m * K, K, wr, sr, G, out);
-            for (int r = 0; r < 4; r++) y[(m + r) * N + n] = out[r];
-        }
-        const int64_t rest = M - m;
-        if (rest == 0) continue;
-        if (rest == 1) int8_tile(1, x + m * K, K, wr, sr, G, out);
-        else if (rest == 2) int8_tile(2, x + m * K, K, wr, sr, G, out);
-        else int8_tile(3, x + m * K, K, wr, sr, G, out);
-        for (int r = 0; r < rest; r++) y[(m + r) * N + n] = out[r];
-    }
-}
-
 /* ---------------------------------------------------------------- int4 */
 
 /* Output row n for MT input rows: sum_g s_g * sum_{k in g} x_k q_k, x split into even (xe) /
@@ -125,6 +114,73 @@ INLINE void int4_tile(const int MT, const float* xe, const float* xo, int64_t K2
     for (int r = 0; r < MT; r++) out[r] = hsum(tot[r]);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVM_AVX512 1
+/* int8, 16 lanes: per group, two accumulators per row over 32 weights an iteration (G % 32
+ * == 0) or one (G % 16 == 0), scaled once per group as in int8_tile. */
+INLINE void int8_tile512(const int MT, const float* x, int64_t K, const int8_t* wr, const float* sr,
+                         int64_t G, float* out) {
+    __m512 tot[MT_MAX];
+    for (int r = 0; r < MT; r++) tot[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+        __m512 a0[MT_MAX], a1[MT_MAX];
+        for (int r = 0; r < MT; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+        int64_t k = g0;
+        for (; k + 32 <= g0 + G; k += 32) {
+            const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(wr + k))));
+            const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(wr + k + 16))));
+            for (int r = 0; r < MT; r++) {
+                a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * K + k), a0[r]);
+                a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * K + k + 16), a1[r]);
+            }
+        }
+        if (k < g0 + G) {  /* G % 32 == 16 */
+            const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(wr + k))));
+            for (int r = 0; r < MT; r++) a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * K + k), a0[r]);
+        }
+        const __m512 vs = _mm512_set1_ps(sr[g0 / G]);
+        for (int r = 0; r < MT; r++) tot[r] = _mm512_fmadd_ps(vs, _mm512_add_ps(a0[r], a1[r]), tot[r]);
+    }
+    for (int r = 0; r < MT; r++) out[r] = _mm512_reduce_add_ps(tot[r]);
+}
+
+/* One int4 group g (hg bytes, a multiple of 16) into the accumulators ae / ao of MT rows. */
+INLINE void int4_group512(const int MT, const float* xe, const float* xo, int64_t K2, const uint8_t* wr,
+                          float scale, int64_t j0, int64_t hg, __m512* ae, __m512* ao) {
+    const __m512i mask = _mm512_set1_epi32(0x0F);
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t j = j0; j < j0 + hg; j += 16) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(wr + j)));
+        const __m512 we = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, mask)), vs);  /* xe[j .. j+15] */
+        const __m512 wo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), vs);    /* xo[j .. j+15] */
+        for (int r = 0; r < MT; r++) {
+            ae[r] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xe + r * K2 + j), ae[r]);
+            ao[r] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xo + r * K2 + j), ao[r]);
+        }
+    }
+}
+
+/* sum_k x_k (q_k s_g) for MT rows: groups alternate between two accumulator sets. */
+INLINE void int4_tile512(const int MT, const float* xe, const float* xo, int64_t K2, const uint8_t* wr,
+                         const float* sf, int64_t ng, int64_t hg, float* out) {
+    __m512 e0[MT_MAX], o0[MT_MAX], e1[MT_MAX], o1[MT_MAX];
+    for (int r = 0; r < MT; r++) e0[r] = o0[r] = e1[r] = o1[r] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= ng; g += 2) {
+        int4_group512(MT, xe, xo, K2, wr, sf[g], g * hg, hg, e0, o0);
+        int4_group512(MT, xe, xo, K2, wr, sf[g + 1], (g + 1) * hg, hg, e1, o1);
+    }
+    if (g < ng) int4_group512(MT, xe, xo, K2, wr, sf[g], g * hg, hg, e0, o0);
+    for (int r = 0; r < MT; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e0[r], o0[r]), _mm512_add_ps(e1[r], o1[r])));
+}
+#define INT8_TILE int8_tile512
+#define INT4_TILE int4_tile512
+#else
+#define INT8_TILE int8_tile
+#define INT4_TILE int4_tile
+#endif
+
 /* float scales sf and offsets bf (b = -o * s, or o) of one output row. */
 static void int4_row_params(const uint16_t* sr, const uint16_t* orow, int32_t mode, int64_t ng, float* sf,
                             float* bf) {
@@ -148,6 +204,57 @@ INLINE float dot(const float* a, const float* b, int64_t n) {
     float t = hsum(acc);
     for (; i < n; i++) t += a[i] * b[i];
     return t;
+}
+
+/* kPrefetch: rows of a decoder weight are short (K = 576: 288 bytes, with 36 + 36 bytes of
+ * scales and offsets in two other arrays), too short for the hardware prefetcher to run ahead
+ * of, so each row fetches row n + INT4_PREFETCH_ROWS into L2 (prefetcht1) while it is
+ * computed (int8 rows likewise, INT8_PREFETCH_ROWS ahead). 4, 8, 12, 16 or 24 rows ahead
+ * measured the same (7.1-7.5 ms for the decoder's int4 GEMMs), 32 worse. */
+#ifndef INT8_PREFETCH_ROWS
+#define INT8_PREFETCH_ROWS 8
+#endif
+#ifndef INT4_PREFETCH_ROWS
+#define INT4_PREFETCH_ROWS 8
+#endif
+INLINE void prefetch_row(const uint8_t* w, const uint16_t* s, const uint16_t* o, int64_t K2, int64_t ng,
+                         int64_t n, int64_t N) {
+    if (n >= N) return;
+    const char* wr = (const char*)(w + n * K2);
+    for (int64_t b = 0; b < K2; b += 64) _mm_prefetch(wr + b, _MM_HINT_T1);
+    for (int64_t b = 0; b < ng * 2; b += 64) {
+        _mm_prefetch((const char*)(s + n * ng) + b, _MM_HINT_T1);
+        _mm_prefetch((const char*)(o + n * ng) + b, _MM_HINT_T1);
+    }
+}
+
+/* K % 16 == 0, G % 16 == 0, K % G == 0. */
+void kvm_int8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* s, int64_t G,
+                   int64_t N, float* y) {
+    const int64_t ng = K / G;
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t* wr = w + n * K;
+        const float* sr = s + n * ng;
+        if (n + INT8_PREFETCH_ROWS < N) {  /* see kPrefetch above */
+            const char* ahead = (const char*)(w + (n + INT8_PREFETCH_ROWS) * K);
+            for (int64_t b = 0; b < K; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+            const char* sa = (const char*)(s + (n + INT8_PREFETCH_ROWS) * ng);
+            for (int64_t b = 0; b < ng * 4; b += 64) _mm_prefetch(sa + b, _MM_HINT_T1);
+        }
+        float out[MT_MAX];
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) {
+            INT8_TILE(4, x + m * K, K, wr, sr, G, out);
+            for (int r = 0; r < 4; r++) y[(m + r) * N + n] = out[r];
+        }
+        const int64_t rest = M - m;
+        if (rest == 0) continue;
+        if (rest == 1) INT8_TILE(1, x + m * K, K, wr, sr, G, out);
+        else if (rest == 2) INT8_TILE(2, x + m * K, K, wr, sr, G, out);
+        else INT8_TILE(3, x + m * K, K, wr, sr, G, out);
+        for (int r = 0; r < rest; r++) y[(m + r) * N + n] = out[r];
+    }
 }
 
 /* G % 32 == 0, K % G == 0. Returns 0, or -1 when the scratch buffer cannot be allocated. */
@@ -176,18 +283,19 @@ int kvm_int4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const 
         #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t* wr = w + n * K2;
+            prefetch_row(w, s, o, K2, ng, n + INT4_PREFETCH_ROWS, N);
             int4_row_params(s + n * ng, o + n * ng, mode, ng, sf, bf);
             float out[MT_MAX];
             int64_t m = 0;
             for (; m + 4 <= M; m += 4) {
-                int4_tile(4, xe + m * K2, xo + m * K2, K2, wr, sf, ng, hg, out);
+                INT4_TILE(4, xe + m * K2, xo + m * K2, K2, wr, sf, ng, hg, out);
                 for (int r = 0; r < 4; r++) y[(m + r) * N + n] = out[r] + dot(bf, xs + (m + r) * ng, ng);
             }
             const int64_t rest = M - m;
             if (rest == 0) continue;
-            if (rest == 1) int4_tile(1, xe + m * K2, xo + m * K2, K2, wr, sf, ng, hg, out);
-            else if (rest == 2) int4_tile(2, xe + m * K2, xo + m * K2, K2, wr, sf, ng, hg, out);
-            else int4_tile(3, xe + m * K2, xo + m * K2, K2, wr, sf, ng, hg, out);
+            if (rest == 1) INT4_TILE(1, xe + m * K2, xo + m * K2, K2, wr, sf, ng, hg, out);
+            else if (rest == 2) INT4_TILE(2, xe + m * K2, xo + m * K2, K2, wr, sf, ng, hg, out);
+            else INT4_TILE(3, xe + m * K2, xo + m * K2, K2, wr, sf, ng, hg, out);
             for (int r = 0; r < rest; r++) y[(m + r) * N + n] = out[r] + dot(bf, xs + (m + r) * ng, ng);
         }
     }
