@@ -135,7 +135,10 @@ def _notes(res: dict) -> list[str]:
     systems, lines, notes = res["systems"], [], []
     for name, rec in res.get("peers", {}).items():
         if rec.get("status") != "ok":
-            notes.append(f"{name}: {rec['status']}: {(rec.get('reason') or '').splitlines()[0]}")
+            reason = (rec.get("reason") or "").splitlines()
+            notes.append(f"{name}: {rec['status']}: {reason[0] if reason else ''}")
+        if rec.get("note"):
+            notes.append(f"{name}: {rec['note']}")
     vm = res.get("peers", {}).get("vllm", {}).get("output_match")
     if vm:
         bad = ", ".join(f"#{m['request']} at token {m['first_mismatch']}" for m in vm["mismatches"][:8])

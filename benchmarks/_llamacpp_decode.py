@@ -7,7 +7,9 @@ Usage::
     VENV/bin/python _llamacpp_decode.py --in spec.json --out result.json
 
 Input JSON: ``{"models": {name: gguf path}, "prompt": [ids], "max_tokens": n, "repeats": r,
-"warmup": w, "threads": t}``. Per model: load it (``n_threads`` = ``n_threads_batch`` = t),
+"warmup": w, "threads": t, "extra_bufts": true}``; ``extra_bufts: false`` loads the weights
+without llama.cpp's extra CPU buffer types (the AMX and repacked layouts; llama.cpp 0.3.36's
+AMX path crashes on Q4_1 on an AMX Xeon). Per model: load it (``n_threads`` = ``n_threads_batch`` = t),
 run ``warmup`` untimed generations, then ``repeats`` timed ones. A generation feeds the prompt
 ids as they are (no BOS added) and decodes greedily (``temp=0``, ``top_k=1``, no penalties)
 ``max_tokens`` tokens; its decode speed is ``(max_tokens - 1) / (time from the first generated
@@ -37,6 +39,22 @@ def generate(llm, prompt: list[int], max_tokens: int) -> tuple[list[int], float,
         if len(ids) == max_tokens:
             break
     return ids, t_first - t0, time.perf_counter() - t_first
+
+
+def _no_extra_bufts() -> None:
+    """Default model params with use_extra_bufts off, for every Llama() made afterwards."""
+    import llama_cpp
+    import llama_cpp.llama as high_level
+
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_model_default_params = params
+    high_level.llama_cpp.llama_model_default_params = params
 
 
 def bench_model(path: str, spec: dict) -> dict:
@@ -71,6 +89,8 @@ def main() -> None:
         spec = json.load(f)
     import llama_cpp
 
+    if not spec.get("extra_bufts", True):
+        _no_extra_bufts()
     res = {"llama_cpp_version": llama_cpp.__version__,
            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
            "models": {name: bench_model(path, spec) for name, path in spec["models"].items()}}

@@ -174,8 +174,16 @@ def run_llamacpp(venv: Path | None, models: dict[str, Path], prompt: list[int], 
             "repeats": repeats, "warmup": 1, "threads": threads}
     print(f"llama.cpp ({py}): batch-1 decode of {', '.join(models)} ...", flush=True)
     ans, why = run_child(py, "_llamacpp_decode.py", spec, dict(os.environ), "llama.cpp", timeout_s)
+    note = None
+    if ans is None and "exit code -" in (why or ""):
+        # Killed by a signal: llama.cpp 0.3.36 segfaults in its AMX path on Q4_1 weights on an
+        # AMX Xeon. Run again without the extra buffer types (AMX, repacked layouts), and say so.
+        note = f"first run crashed ({why.splitlines()[0]}); rerun with llama.cpp's extra buffer types off"
+        print(f"llama.cpp: {note}", flush=True)
+        ans, why = run_child(py, "_llamacpp_decode.py", {**spec, "extra_bufts": False}, dict(os.environ),
+                             "llama.cpp", timeout_s)
     if ans is None:
         print(f"llama.cpp: FAILED ({why.splitlines()[0]}); no llama.cpp column", flush=True)
-        return None, {"status": "failed", "reason": why}
+        return None, {"status": "failed", "reason": why, "note": note}
     return ans["models"], {"status": "ok", "python": str(py), "version": ans["llama_cpp_version"],
-                           "system_info": ans.get("system_info"), "models": spec["models"]}
+                           "system_info": ans.get("system_info"), "models": spec["models"], "note": note}
