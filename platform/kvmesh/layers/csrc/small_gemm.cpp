@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -123,44 +124,122 @@ void run_rows(const float* xt, int64_t M, int64_t MP, const T* w, const T* b, T*
     }
 }
 
+#if defined(__AVX512F__)
+// 16 x 16 block transpose: rows r[0..15] (16 floats each, stride ld) -> out rows (stride ldo).
+inline void transpose16(const float* in, int64_t ld, float* out, int64_t ldo) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * ld);
+  for (int i = 0; i < 16; i += 2) {  // interleave pairs of rows: 32-bit elements
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 64-bit pairs across row pairs
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes across row quads
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + i * ldo, r[i]);  // r[i]: input column i
+}
+constexpr int64_t kTB = 16;
+#elif defined(__AVX2__)
+// 8 x 8 block transpose.
+inline void transpose8(const float* in, int64_t ld, float* out, int64_t ldo) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * ld);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + i * ldo, t[i]);  // t[i]: input column i
+}
+constexpr int64_t kTB = 8;
+#else
+constexpr int64_t kTB = 0;
+#endif
+
+// xt[k][m] = x[m][k] in fp32, rows M .. MP zero. fp32 inputs transpose in kTB x kTB register
+// blocks (a scalar loop here took ~40 us for 48 x 1536, on the step's critical path), the
+// edges and other dtypes element by element.
+template <typename T>
+void transpose_in(const T* x, int64_t M, int64_t K, int64_t MP, float* xt) {
+  int64_t m_done = 0, k_done = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) {
+    m_done = M / kTB * kTB;
+    k_done = K / kTB * kTB;
+    for (int64_t m0 = 0; m0 < m_done; m0 += kTB)
+      for (int64_t k0 = 0; k0 < k_done; k0 += kTB)
+#if defined(__AVX512F__)
+        transpose16(x + m0 * K + k0, K, xt + k0 * MP + m0, MP);
+#else
+        transpose8(x + m0 * K + k0, K, xt + k0 * MP + m0, MP);
+#endif
+  }
+#endif
+  // the rest: rows m_done .. M for every k, and columns k_done .. K for the blocked rows
+  for (int64_t k = 0; k < K; ++k) {
+    float* o = xt + k * MP;
+    for (int64_t m = (k < k_done ? m_done : 0); m < M; ++m) o[m] = widen(x[m * K + k]);
+    for (int64_t m = M; m < MP; ++m) o[m] = 0.f;
+  }
+}
+
 template <int MV, typename T>
-void small(const float* xt, int64_t M, int64_t MP, const T* w, const T* b, T* y, int64_t N, int64_t K) {
+void small(const T* x, int64_t M, int64_t MP, const T* w, const T* b, T* y, int64_t N, int64_t K) {
   constexpr int NR = Tile<MV>::NR;
   const int64_t tiles = (N + NR - 1) / NR;
   // Contiguous weight-row ranges per thread: each weight element is streamed by one thread.
+  // Each thread transposes x into its own buffer: one shared copy, made by one thread, cost
+  // the others a cross-core read of all of it (at 48 x 1536, more than their share of the
+  // GEMM for the narrow projections) and left them idle while it was made.
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    // Reused across calls: a fresh 100-300 KiB allocation came back as new pages to fault in.
+    // Aligned to 64 bytes, so that no vector of xt straddles two cache lines.
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(K * MP + 16)) scratch.resize(K * MP + 16);
+    const uintptr_t base = reinterpret_cast<uintptr_t>(scratch.data());
+    float* xt = reinterpret_cast<float*>((base + 63) & ~static_cast<uintptr_t>(63));
+    transpose_in(x, M, K, MP, xt);
     run_rows<MV>(xt, M, MP, w, b, y, N, K, begin * NR, std::min(N, end * NR));
   });
 }
 
 template <typename T>
-void dispatch(const float* xt, int64_t M, int64_t MP, const T* w, const T* b, T* y, int64_t N, int64_t K) {
+void dispatch(const T* x, int64_t M, int64_t MP, const T* w, const T* b, T* y, int64_t N, int64_t K) {
   // Fewest vectors per register tile that cover M in one block; wider inputs loop over
   // blocks of the widest tile.
   const int64_t mv = std::min<int64_t>(kMaxMV, (M + W - 1) / W);
   switch (mv) {
-    case 1: small<1>(xt, M, MP, w, b, y, N, K); break;
-    case 2: small<2>(xt, M, MP, w, b, y, N, K); break;
+    case 1: small<1>(x, M, MP, w, b, y, N, K); break;
+    case 2: small<2>(x, M, MP, w, b, y, N, K); break;
 #if defined(__AVX512F__)
-    case 3: small<3>(xt, M, MP, w, b, y, N, K); break;
-    case 4: small<4>(xt, M, MP, w, b, y, N, K); break;
+    case 3: small<3>(x, M, MP, w, b, y, N, K); break;
+    case 4: small<4>(x, M, MP, w, b, y, N, K); break;
 #endif
     default: TORCH_CHECK(false, "small_linear: bad tile");
-  }
-}
-
-// xt[k][m] = x[m][k] in fp32, rows M .. MP zero: 16 k at a time, so that each row of x is read
-// in whole cache lines and each line of xt is written while it is in L1.
-template <typename T>
-void transpose_in(const T* x, int64_t M, int64_t K, int64_t MP, float* xt) {
-  for (int64_t k0 = 0; k0 < K; k0 += 16) {
-    const int64_t kn = std::min<int64_t>(16, K - k0);
-    for (int64_t m = 0; m < M; ++m) {
-      const T* row = x + m * K + k0;
-      for (int64_t j = 0; j < kn; ++j) xt[(k0 + j) * MP + m] = widen(row[j]);
-    }
-    for (int64_t j = 0; j < kn; ++j)
-      for (int64_t m = M; m < MP; ++m) xt[(k0 + j) * MP + m] = 0.f;
   }
 }
 
@@ -181,29 +260,23 @@ at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& w_in, const st
     b = b_in->contiguous();
     TORCH_CHECK(b.dim() == 1 && b.size(0) == N && b.scalar_type() == w.scalar_type(), "small_linear: bias (N,)");
   }
-  // xt (K, MP): x transposed, in fp32, rows padded with zeros to a whole vector tile.
+  // x is transposed (inside each task) into xt (K, MP): fp32, rows padded with zeros to a whole
+  // register tile of rows.
   const int64_t mb = std::min<int64_t>(kMaxMV, (M + W - 1) / W) * W;
   const int64_t MP = (M + mb - 1) / mb * mb;
-  auto xt = at::empty({K, MP}, x_in.options().dtype(at::kFloat));
-  float* xp = xt.data_ptr<float>();
-  switch (x_in.scalar_type()) {
-    case at::kFloat: transpose_in(x_in.contiguous().data_ptr<float>(), M, K, MP, xp); break;
-    case at::kBFloat16: transpose_in(x_in.contiguous().data_ptr<at::BFloat16>(), M, K, MP, xp); break;
-    case at::kHalf: transpose_in(x_in.contiguous().data_ptr<at::Half>(), M, K, MP, xp); break;
-    default: TORCH_CHECK(false, "small_linear supports float32, bfloat16 and float16, not ", x_in.scalar_type());
-  }
+  auto x = x_in.contiguous();
   switch (w.scalar_type()) {
     case at::kFloat:
-      dispatch<float>(xp, M, MP, w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+      dispatch<float>(x.data_ptr<float>(), M, MP, w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                       y.data_ptr<float>(), N, K);
       break;
     case at::kBFloat16:
-      dispatch<at::BFloat16>(xp, M, MP, w.data_ptr<at::BFloat16>(), b.defined() ? b.data_ptr<at::BFloat16>() : nullptr,
-                             y.data_ptr<at::BFloat16>(), N, K);
+      dispatch<at::BFloat16>(x.data_ptr<at::BFloat16>(), M, MP, w.data_ptr<at::BFloat16>(),
+                             b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), N, K);
       break;
     case at::kHalf:
-      dispatch<at::Half>(xp, M, MP, w.data_ptr<at::Half>(), b.defined() ? b.data_ptr<at::Half>() : nullptr,
-                         y.data_ptr<at::Half>(), N, K);
+      dispatch<at::Half>(x.data_ptr<at::Half>(), M, MP, w.data_ptr<at::Half>(),
+                         b.defined() ? b.data_ptr<at::Half>() : nullptr, y.data_ptr<at::Half>(), N, K);
       break;
     default:
       TORCH_CHECK(false, "small_linear supports float32, bfloat16 and float16, not ", w.scalar_type());
