@@ -90,15 +90,16 @@ SKINNY_DTYPES = (torch.float32, torch.bfloat16)
 # Decode batches of a few dozen rows: csrc/small_gemm.cpp streams the plain weight once while
 # computing all rows from registers, where oneDNN's packed GEMM pays for the weight stream and
 # the FLOPs one after the other. All of SmolLM2-135M's decoder linears, 2 threads, weights
-# out of cache (Intel Xeon, AVX-512; oneDNN limited to AVX2 for the AVX2 build):
-#   rows                    12    16    24    32    48    64
-#   small / oneDNN AVX-512  1.0x  1.06x 1.05x 1.14x 1.2x  1.17x
-#   small / oneDNN AVX2      -    1.49x 1.08x 1.21x 1.12x 0.99x
-# and the lm_head (49152 x 576) 1.03x at 16 rows to 1.27x at 48. Fewer rows stay on the skinny
-# kernel / oneDNN, more on oneDNN. float32 weights only: bf16 weights keep oneDNN, which runs
-# them on AMX / AVX512-BF16. KVMESH_SMALL_GEMM=0 turns it off.
+# out of cache, Intel Xeon (AVX-512; the AVX2 row: kernel built without AVX-512, oneDNN
+# limited with ONEDNN_MAX_CPU_ISA=AVX2):
+#   rows                     8     12    16    24    32    48    64
+#   small / oneDNN AVX-512  1.01x 1.10x 1.18x 1.16x 1.34x 1.41x 1.29x
+#   small / oneDNN AVX2     1.61x 1.54x 1.71x 1.17x 1.42x 1.28x 1.22x
+# (80 rows: 0.91x), and the lm_head (49152 x 576) 1.03x at 16 rows to 1.27x at 48. Fewer rows
+# stay on the skinny kernel / oneDNN, more on oneDNN. float32 weights only: bf16 weights keep
+# oneDNN, which runs them on AMX / AVX512-BF16. KVMESH_SMALL_GEMM=0 turns it off.
 SMALL_GEMM = os.environ.get("KVMESH_SMALL_GEMM", "1") != "0"
-SMALL_GEMM_ROWS = (12, 64)
+SMALL_GEMM_ROWS = (8, 64)
 
 
 # Kinds of linear layer csrc/decode_stack.cpp runs (see `stack_linear`): a float32 weight,

@@ -1,11 +1,11 @@
 // GEMM for decode batches on CPU: y (M, N) = x (M, K) @ w (N, K)^T + b, for a few to a few
 // dozen rows (a continuous batch of decodes).
 //
-// Why: at M = 12..64 a linear layer of a small model is neither bound by its FLOPs nor by
+// Why: at M = 8..64 a linear layer of a small model is neither bound by its FLOPs nor by
 // reading its weight, and oneDNN's packed GEMM pays for both one after the other. All of
 // SmolLM2-135M's decoder linears, 2 threads, Intel Xeon (AVX-512), weights out of cache:
-// at 48 rows oneDNN runs at ~145-160 GFLOP/s (65-72 ms) against ~190 with the same weights
-// in cache and ~300 on prefill-sized inputs; this kernel at ~175-185 (55-58 ms). See
+// at 48 rows oneDNN runs at ~140-160 GFLOP/s (65-72 ms) against ~190 with the same weights
+// in cache and ~300 on prefill-sized inputs; this kernel at ~170-200 (51-60 ms). See
 // layers/ops.py for the row range where it is used and the ratios measured.
 //
 // How: the activations are transposed once into xt (K, MP), MP = M rounded up to the vector
