@@ -75,3 +75,28 @@ def test_bad_shapes_are_clear_errors():
         torch.ops.kvmesh.rope_qkv(torch.randn(2, 30), torch.ones(2, 1, 4), torch.ones(2, 1, 4), 2, 1)
     with pytest.raises(RuntimeError, match="silu_and_mul"):
         torch.ops.kvmesh.silu_and_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 49152])
+def test_argmax_rows_equals_torch(vocab):
+    """First index of the max (ties), of the first NaN, infinities; the sampler's greedy pick."""
+    from kvmesh.worker.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1] = 0.0  # all tied: index 0
+    if vocab > 3:
+        x[2, vocab // 2] = x[2, vocab - 1] = 1e9  # a tie between two maxima: the first
+        x[3, vocab - 1] = float("nan")  # a NaN wins wherever it is
+        x[4, 1] = float("nan")
+        x[4, 2] = float("nan")
+        x[5, vocab - 2] = float("inf")
+        x[6] = float("-inf")
+        x[7, 0] = float("-inf")
+    out = torch.ops.kvmesh.argmax_rows(x)
+    assert out.dtype == torch.int64 and torch.equal(out, x.argmax(-1))
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    assert torch.equal(torch.ops.kvmesh.argmax_rows(x[:, : max(1, vocab // 2)]), x[:, : max(1, vocab // 2)].argmax(-1))
+    assert torch.ops.kvmesh.argmax_rows(torch.zeros(0, vocab)).shape == (0,)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.kvmesh.argmax_rows(x.double())

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 # csrc/fused_ops.cpp: the decoder's element-wise ops, one dispatch each.
-FUSED_OPS = ("rms_norm", "add_rms_norm", "rope_qkv", "silu_and_mul")
+FUSED_OPS = ("rms_norm", "add_rms_norm", "rope_qkv", "silu_and_mul", "argmax_rows")
 
 
 def isa() -> str:

@@ -16,6 +16,11 @@
 //   rope_qkv(qkv, cos, sin, H, KVH) = (rope(q), rope(k), v) from the fused QKV projection
 //                                    (T, (H + 2 KVH) D); rotate-half convention (HF Llama)
 //   silu_and_mul(gu)               = silu(gu[:, :I]) * gu[:, I:]
+//   argmax_rows(x)                 = x.argmax(-1) for float32 (B, V) logits: the first index of
+//                                    the row's max, or of its first NaN (torch's semantics);
+//                                    rows in parallel. torch's took 1.8-3.3 ms for 48 x 49152
+//                                    on 2 threads (greedy sampling of a decode batch), this
+//                                    a max pass and a find pass per row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -166,6 +171,61 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
+// The first index of the max of row[0 .. V), or of its first NaN.
+static inline int64_t argmax_row(const float* row, int64_t V) {
+  float m = row[0];
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(row[0]);
+  __mmask16 un = 0;
+  for (; i + 16 <= V; i += 16) {
+    const __m512 v = _mm512_loadu_ps(row + i);
+    vm = _mm512_max_ps(vm, v);
+    un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  m = _mm512_reduce_max_ps(vm);
+  nan = un != 0;
+#endif
+  for (; i < V; ++i) {
+    m = std::max(m, row[i]);
+    nan |= row[i] != row[i];
+  }
+  int64_t idx = 0;
+#if defined(__AVX512F__)
+  if (!nan) {
+    const __m512 vt = _mm512_set1_ps(m);
+    for (; idx + 16 <= V; idx += 16) {
+      const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + idx), vt, _CMP_EQ_OQ);
+      if (eq) return idx + __builtin_ctz(eq);
+    }
+  }
+#endif
+  if (nan) {
+    while (row[idx] == row[idx]) ++idx;
+  } else {
+    while (row[idx] != m) ++idx;
+  }
+  return idx;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) > 0 && x_in.scalar_type() == at::kFloat,
+              "argmax_rows: float32 (B, V) with V > 0");
+  auto x = x_in.contiguous();
+  const int64_t B = x.size(0), V = x.size(1);
+  auto out = at::empty({B}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = xp + r * V;
+      op[r] = argmax_row(row, V);
+    }
+  });
+  return out;
+}
+
 }  // namespace kvmesh_cpu
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
@@ -173,6 +233,7 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("add_rms_norm(Tensor residual, Tensor update, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads) -> (Tensor, Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
@@ -180,4 +241,5 @@ TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
   m.impl("add_rms_norm", &kvmesh_cpu::add_rms_norm);
   m.impl("rope_qkv", &kvmesh_cpu::rope_qkv);
   m.impl("silu_and_mul", &kvmesh_cpu::silu_and_mul);
+  m.impl("argmax_rows", &kvmesh_cpu::argmax_rows);
 }

@@ -25,5 +25,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, c
                                                         const at::Tensor& sin, int64_t num_heads,
                                                         int64_t num_kv_heads);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor argmax_rows(const at::Tensor& x);
 
 }  // namespace kvmesh_cpu
