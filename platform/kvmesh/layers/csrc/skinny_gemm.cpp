@@ -25,10 +25,13 @@ using namespace kvmesh_vec;
 constexpr int64_t kRowsPerTask = 64;
 
 // Dot products of M fp32 rows `xs` (M x K) with weight rows n .. n + R of `w`.
-// kPrefetch note: each row stream is prefetched 512 elements ahead into L2 / L3
-// (prefetcht2). Measured over all of SmolLM2's weights from DRAM, 2 threads: 2 KiB ahead
-// with T2 streams at 31 GB/s (the lm_head alone 36), where 1 KiB ahead with NTA gave 24
-// and T0 / T1 gave 26-30; 3 KiB ahead falls back to 25.
+// kPrefetch note: each row stream prefetches the same k two tiles of R rows ahead (R rows are
+// contiguous, so 2 * R * K elements on) into L2 / L3 (prefetcht2). Earlier it prefetched 512
+// elements ahead along its own row (2 KiB: on an AMD EPYC, T2 streams at 31 GB/s over all of
+// SmolLM2's weights from DRAM, where 1 KiB with NTA gave 24 and T0 / T1 26-30), but at
+// K = 576 that lands in the tile's next row, which is being read anyway. On an Intel Xeon,
+// 2 threads, all of SmolLM2's linears + lm_head: 1 row 25.2-26.1 -> 23.5-25.3 ms, 3 rows
+// 28.9-29.5 -> 25.3-25.7 ms; one tile ahead did as well at 1 row, four tiles worse.
 template <int M, int R, typename T>
 inline void dot_rows(const float* xs, const T* w, int64_t K, float* out /* M x R */) {
   vec acc[M][R];
@@ -36,7 +39,7 @@ inline void dot_rows(const float* xs, const T* w, int64_t K, float* out /* M x R
     for (int r = 0; r < R; ++r) acc[m][r] = vzero();
   const int64_t kv = K / W * W;
   for (int64_t k = 0; k < kv; k += W) {
-    for (int r = 0; r < R; ++r) __builtin_prefetch(w + r * K + k + 512, 0, 1);  // see the kPrefetch note
+    for (int r = 0; r < R; ++r) __builtin_prefetch(w + r * K + k + 2 * R * K, 0, 1);  // see the kPrefetch note
     vec wr[R];
     for (int r = 0; r < R; ++r) wr[r] = vload(w + r * K + k);
     for (int m = 0; m < M; ++m) {
