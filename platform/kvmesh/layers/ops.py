@@ -16,7 +16,10 @@ chunks here. The reordered copy is made on the first forward and dropped wheneve
 module is moved or cast; it doubles the weight memory of the dense layers (the plain
 weight stays the parameter: state dict, tied embeddings, quantization read it). bf16
 weights take this path only on CPUs that multiply bf16 natively (AVX512-BF16, AMX).
-Set KVMESH_ONEDNN_LINEAR=0 to use `linear` (the bmm split) instead.
+Set KVMESH_ONEDNN_LINEAR=0 to use `linear` (the bmm split) instead. Decode-sized inputs
+skip oneDNN for kvmesh's own kernels on the plain weight: 1-3 rows the skinny GEMM
+(csrc/skinny_gemm.cpp), 8-64 rows of a float32 layer the small-batch GEMM
+(csrc/small_gemm.cpp); see SKINNY_KERNEL_ROWS and SMALL_GEMM_ROWS below.
 """
 
 from __future__ import annotations
