@@ -13,7 +13,7 @@ from kvmesh import SamplingParams
 from kvmesh.build import build_engine
 from kvmesh.layers import cpu_kernels
 from kvmesh.layers.attention import CpuPagedAttentionBackend
-from kvmesh.layers.ops import STACK_DENSE
+from kvmesh.layers.ops import SKINNY_KERNEL_ROWS, STACK_DENSE
 from kvmesh.llm import LLM
 from kvmesh.quant import native
 
@@ -62,12 +62,13 @@ def test_quantized_stack_equals_layer_loop(model_factory, stack_calls, monkeypat
         _prompts(384), stack_calls, monkeypatch)
 
 
-def test_two_and_three_sequence_decode_steps_run_the_stack_bit_for_bit(model_factory, stack_calls, monkeypatch):
+def test_multi_sequence_decode_steps_run_the_stack_bit_for_bit(model_factory, stack_calls, monkeypatch):
     """Decodes of up to SKINNY_KERNEL_ROWS sequences in one step run the stack too (every
     linear of such a step takes the skinny GEMM either way): the same bits as the loop."""
     torch.set_num_threads(1)
     path = model_factory(qkv_bias=True)
-    prompts = _prompts(384)[1:]  # 3 prompts of 4, 13 and 30 tokens
+    # prompts of 4, 13 and 30 tokens, and more up to SKINNY_KERNEL_ROWS sequences
+    prompts = (_prompts(384)[1:] + [[7, 8, 9, 10, 11], [12, 13]])[:SKINNY_KERNEL_ROWS]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     runs = []
     for stack in (True, False):
@@ -77,7 +78,7 @@ def test_two_and_three_sequence_decode_steps_run_the_stack_bit_for_bit(model_fac
             stack_calls.clear()
             runs.append(run_collecting_logits(engine, prompts, params))
             assert engine.num_free_blocks == engine.num_usable_blocks
-        if stack:  # the prompts are prefilled in the first step; each later step decodes all 3
+        if stack:  # the prompts are prefilled in the first step; each later step decodes all of them
             assert sum(stack_calls) == MAX_NEW - 1
     (tok_a, lg_a), (tok_b, lg_b) = runs
     assert tok_a == tok_b
@@ -90,8 +91,9 @@ def test_larger_batches_and_prefill_steps_take_the_layer_loop(model_factory, sta
     engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=128)
     stack_calls.clear()
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    run_collecting_logits(engine, [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18]], params)
-    # All four are prefilled in one step and decode together: no step qualifies.
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18], [19, 20, 21], [22, 23]]
+    run_collecting_logits(engine, prompts[: SKINNY_KERNEL_ROWS + 1], params)
+    # One more than the stack takes, all prefilled in one step, decoding together: no step qualifies.
     assert stack_calls and not any(stack_calls)
     assert engine.num_free_blocks == engine.num_usable_blocks
 

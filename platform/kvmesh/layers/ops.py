@@ -17,7 +17,7 @@ module is moved or cast; it doubles the weight memory of the dense layers (the p
 weight stays the parameter: state dict, tied embeddings, quantization read it). bf16
 weights take this path only on CPUs that multiply bf16 natively (AVX512-BF16, AMX).
 Set KVMESH_ONEDNN_LINEAR=0 to use `linear` (the bmm split) instead. Decode-sized inputs
-skip oneDNN for kvmesh's own kernels on the plain weight: 1-3 rows the skinny GEMM
+skip oneDNN for kvmesh's own kernels on the plain weight: 1-4 rows the skinny GEMM
 (csrc/skinny_gemm.cpp), 8-64 rows of a float32 layer the small-batch GEMM
 (csrc/small_gemm.cpp); see SKINNY_KERNEL_ROWS and SMALL_GEMM_ROWS below.
 """
@@ -78,15 +78,18 @@ _ONEDNN_DTYPES = {torch.float32, torch.bfloat16} if NATIVE_BF16 else {torch.floa
 PACK_HINT_ROWS = 64
 
 
-# A few rows (decode of 1-3 sequences) make a matrix-vector product bound by streaming the
+# A few rows (decode of 1-4 sequences) make a matrix-vector product bound by streaming the
 # weight from DRAM: csrc/skinny_gemm.cpp reads the plain weight faster than oneDNN's packed
 # GEMM. All of SmolLM2's linears, 2 threads, weights out of cache, AVX512-BF16 Zen 4:
 #   rows          1      2      3      4
 #   fp32 skinny  19.8   21.0   22.5   24.4 ms     oneDNN 25.0   26.9   22.3   21.6 ms
 #   bf16 skinny  13.2   14.3   16.2   18.1 ms     oneDNN 15.3   15.9   15.7   15.0 ms
-# At 3 rows they are even, and the skinny GEMM lets the step run as one decode_stack call
-# (~4 ms less per-op cost at SmolLM2's size); at 4 oneDNN is ahead.
-SKINNY_KERNEL_ROWS = 3
+# and on an Intel Xeon (AMX), with the skinny kernel's prefetch two tiles ahead:
+#   fp32 skinny   -      -     27.3   29.6 ms     oneDNN  -      -     37.1   34.8 ms
+#   bf16 skinny   -      -     16.3   17.3 ms     oneDNN  -      -     20.1   20.4 ms
+# Up to 4 rows the skinny GEMM also lets the step run as one decode_stack call (~4 ms less
+# per-op cost at SmolLM2's size), which outweighs Zen 4's 3 ms oneDNN lead at 4 rows.
+SKINNY_KERNEL_ROWS = 4
 SKINNY_DTYPES = (torch.float32, torch.bfloat16)
 
 
