@@ -55,6 +55,19 @@ def test_bmm_split_matches_reference():
         torch.testing.assert_close(ops.linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
+def _check_kernel(op, dtype, tol, rows, out_features, k, g) -> torch.Tensor:
+    """op(x, w, bias) against a float64 F.linear, with and without a bias; returns w."""
+    w = torch.randn(out_features, k, generator=g).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    for bias in (None, b):
+        out = op(x, w, bias)
+        ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        assert out.dtype == dtype and out.shape == (rows, out_features)
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * 20)
+    return w
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("out_features", [1, 7, 8, 64, 131])  # row blocks of 8, their remainders
@@ -63,14 +76,7 @@ def test_skinny_kernel_matches_reference(dtype, tol, rows, out_features):
         pytest.fail("C++ CPU kernels failed to build on this machine")
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     for k in (576, 37):  # whole vectors, and a scalar tail
-        w = torch.randn(out_features, k, generator=g).to(dtype)
-        b = torch.randn(out_features, generator=g).to(dtype)
-        x = torch.randn(rows, k, generator=g).to(dtype)
-        for bias in (None, b):
-            out = torch.ops.kvmesh.skinny_linear(x, w, bias)
-            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-            assert out.dtype == dtype
-            torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * 20)
+        _check_kernel(torch.ops.kvmesh.skinny_linear, dtype, tol, rows, out_features, k, g)
     with pytest.raises(RuntimeError, match="at most 4 rows"):
         torch.ops.kvmesh.skinny_linear(torch.zeros(5, 8), torch.zeros(3, 8), None)
 
@@ -83,14 +89,7 @@ def test_small_kernel_matches_reference(dtype, tol, rows, out_features):
         pytest.fail("C++ CPU kernels failed to build on this machine")
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     for k in (576, 37):  # whole blocks of 16 k, and a tail
-        w = torch.randn(out_features, k, generator=g).to(dtype)
-        b = torch.randn(out_features, generator=g).to(dtype)
-        x = torch.randn(rows, k, generator=g).to(dtype)
-        for bias in (None, b):
-            out = torch.ops.kvmesh.small_linear(x, w, bias)
-            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-            assert out.dtype == dtype and out.shape == (rows, out_features)
-            torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * 20)
+        w = _check_kernel(torch.ops.kvmesh.small_linear, dtype, tol, rows, out_features, k, g)
         # a strided (non-contiguous) input is read as its values
         wide = torch.randn(rows, 2 * k, generator=g).to(dtype)
         torch.testing.assert_close(torch.ops.kvmesh.small_linear(wide[:, ::2], w, None).double(),
