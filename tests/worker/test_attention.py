@@ -126,6 +126,50 @@ def test_paged_decode_kernel_refuses_bad_input():
                                                 torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("chunks, h, kvh, d", [
+    ([(0, 256)], 9, 3, 64),                        # one fresh prompt: several query and key tiles
+    ([(0, 1), (0, 31), (0, 32), (0, 33), (0, 65)], 9, 3, 64),  # lengths around the tile sizes
+    ([(15, 40), (64, 64), (500, 17), (129, 1)], 9, 3, 64),  # chunks behind cached tokens
+    ([(0, 70), (33, 90)], 16, 2, 128),             # 8 query heads per KV head, head size 128
+    ([(10, 50)], 4, 4, 80),                        # no GQA; head size a whole number of AVX2 vectors only
+    ([(3, 45), (0, 9)], 6, 2, 40),                 # head size not a multiple of the vector width
+    ([(7, 20)], 2, 1, 20),
+])
+def test_paged_prefill_kernel_matches_dense(dtype, tol, chunks, h, kvh, d):
+    """The C++ prefill kernel against dense causal attention, over several chunks of one call
+    (each behind its own cached prefix, blocks scattered), with decode rows before them that
+    it must leave alone."""
+    if not cpu_kernels.load():
+        pytest.fail("C++ CPU kernels failed to build on this machine")
+    bs, nd = 16, 3
+    spans, t = _random_batch(nd, chunks, bs, kvh, d, num_blocks=400, seed=len(chunks) * 31 + d)
+    g = torch.Generator().manual_seed(d)
+    kc = torch.randn(400, bs, kvh, d, generator=g).to(dtype)
+    vc = torch.randn(400, bs, kvh, d, generator=g).to(dtype)
+    q = (torch.randn(t, h, d, generator=g) * 2).to(dtype)
+    meta = get_attention_backend("cpu", bs, CPU).build_metadata(spans, nd)
+    out = torch.full_like(q, 7.0)
+    torch.ops.kvmesh.paged_prefill_attention(out, q, kc, vc, meta.prefill_table, meta.prefill_spans, d**-0.5)
+    assert (out[:nd] == 7.0).all()  # decode rows are not the kernel's
+    ref = _dense_reference(spans[nd:], q.double(), kc.double(), vc.double(), bs, d**-0.5)
+    torch.testing.assert_close(out[nd:].float(), ref[nd:].float(), rtol=tol, atol=tol)
+
+
+def test_paged_prefill_kernel_refuses_bad_input():
+    if not cpu_kernels.load():
+        pytest.fail("C++ CPU kernels failed to build on this machine")
+    kc, q = torch.zeros(4, 16, 1, 8), torch.zeros(20, 2, 8)
+    table = torch.zeros(1, 2, dtype=torch.long)
+    op = torch.ops.kvmesh.paged_prefill_attention
+    with pytest.raises(RuntimeError, match="outside q"):
+        op(torch.empty_like(q), q, kc, kc, table, torch.tensor([[10, 11, 0]]), 1.0)
+    with pytest.raises(RuntimeError, match="more blocks than its table"):
+        op(torch.empty_like(q), q, kc, kc, table, torch.tensor([[0, 20, 13]]), 1.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        op(torch.empty_like(q).bfloat16(), q, kc, kc, table, torch.tensor([[0, 4, 0]]), 1.0)
+
+
 def _shared_prefix_batch(groups, own_lens, bs, g, num_blocks):
     """Block tables where the sequences of each group start with the same physical blocks
     (what prefix-cache hits hand out), followed by blocks of their own. `groups`: (shared

@@ -12,7 +12,7 @@ backend behind the same interface, with its own metadata type.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -47,10 +47,14 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None  # (Bd, max_blocks) int64, padded with block 0
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_blocks * block_size) bool
     decode_context_lens: torch.Tensor | None  # (Bd,) int64
-    # Everything else (prefill chunks), each attended separately.
+    # Everything else (prefill chunks).
     prefills: list[SeqSpan]
-    prefill_block_tables: list[torch.Tensor | None]  # None: fresh prefill, no cache read
-    prefill_masks: list[torch.Tensor | None]  # (q_len, ctx_len) bool, None when causal from 0
+    # The reference backend attends each chunk separately with SDPA:
+    prefill_block_tables: list[torch.Tensor | None] = field(default_factory=list)  # None: fresh, no cache read
+    prefill_masks: list[torch.Tensor | None] = field(default_factory=list)  # (q_len, ctx_len), None: causal from 0
+    # The CPU kernel attends them all in one call, through the cache:
+    prefill_spans: torch.Tensor | None = None  # (P, 3) int64 rows (q_start, q_len, start_pos)
+    prefill_table: torch.Tensor | None = None  # (P, max_blocks) int64, padded with block 0
 
 
 class AttentionBackend(Protocol):
@@ -79,10 +83,16 @@ class TorchAttentionBackend:
     def build_metadata(self, spans: list[SeqSpan], num_decodes: int) -> AttentionMetadata:
         bs = self.block_size
         slot_mapping = torch.from_numpy(slots.slot_mapping(spans, bs)).to(self.device)
+        meta = AttentionMetadata(slot_mapping, num_decodes, *self._decode_metadata(spans[:num_decodes]),
+                                 prefills=spans[num_decodes:])
+        self._prefill_metadata(meta)
+        return meta
 
+    def _decode_metadata(self, dec: list[SeqSpan]) -> tuple[torch.Tensor | None, ...]:
+        """(block table, mask, context lengths) of the decodes."""
+        bs, num_decodes = self.block_size, len(dec)
         decode_table = decode_mask = decode_lens = None
         if num_decodes:
-            dec = spans[:num_decodes]
             nblk = max(-(-s.ctx_len // bs) for s in dec)
             table = np.zeros((num_decodes, nblk), dtype=np.int64)
             ctx = np.empty(num_decodes, dtype=np.int64)
@@ -95,11 +105,13 @@ class TorchAttentionBackend:
             if self.needs_decode_mask:
                 mask = np.arange(nblk * bs)[None, :] < ctx[:, None]
                 decode_mask = torch.from_numpy(mask).to(self.device)[:, None, None, :]
+        return decode_table, decode_mask, decode_lens
 
-        prefills = spans[num_decodes:]
-        tables: list[torch.Tensor | None] = []
-        masks: list[torch.Tensor | None] = []
-        for s in prefills:
+    def _prefill_metadata(self, meta: AttentionMetadata) -> None:
+        """Per chunk: its block table and mask when it reads cached tokens."""
+        bs = self.block_size
+        tables, masks = meta.prefill_block_tables, meta.prefill_masks
+        for s in meta.prefills:
             if s.start_pos == 0:
                 tables.append(None)
                 masks.append(None)
@@ -112,9 +124,6 @@ class TorchAttentionBackend:
             k_pos = torch.arange(s.ctx_len, device=self.device)[None, :]
             masks.append(torch.zeros(q_pos.shape[0], s.ctx_len, device=self.device)
                          .masked_fill_(k_pos > q_pos, float("-inf")))
-        return AttentionMetadata(
-            slot_mapping, num_decodes, decode_table, decode_mask, decode_lens, prefills, tables, masks
-        )
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D)."""
@@ -127,10 +136,15 @@ class TorchAttentionBackend:
         nd = meta.num_decodes
         if nd == q.shape[0] and not meta.prefills:  # an all-decode step: no scatter into `out`
             return self._decode(q, k_cache, v_cache, meta, scale)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
-        group = q.shape[1] // kvh
+        self._prefill(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+        """Attention of the prefill chunks' queries, written into their rows of `out`."""
+        group = q.shape[1] // k_cache.shape[2]
         for s, table, mask in zip(meta.prefills, meta.prefill_block_tables, meta.prefill_masks):
             sl = slice(s.q_start, s.q_start + s.q_len)
             # SDPA's fused (flash) kernels take 4-D (1, H, L, D) inputs with K/V repeated per
@@ -149,7 +163,6 @@ class TorchAttentionBackend:
             else:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
             out[sl] = o[0].transpose(0, 1)
-        return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: (Bd, H, D) one token per sequence -> (Bd, H, D)."""
@@ -168,13 +181,32 @@ class TorchAttentionBackend:
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
-    """CPU backend: decode attention by a C++ kernel that reads K/V in place through
-    the block tables (no gather copy, no padding); prefill chunks as in the reference."""
+    """CPU backend: C++ kernels that read K/V in place through the block tables (no gather
+    copy, no padding, no repeat for GQA): decode attention, and every prefill chunk of the
+    step in one causal flash-attention call (csrc/prefill_attention.cpp), cached prefix
+    included."""
 
     needs_decode_mask = False
     # An all-decode step of a few sequences may run the model's whole layer stack as one
     # C++ op (csrc/decode_stack.cpp) that calls this backend's kernel itself.
     runs_decode_stack = True
+
+    def _prefill_metadata(self, meta: AttentionMetadata) -> None:
+        if not meta.prefills:
+            return
+        bs = self.block_size
+        nblk = max(-(-s.ctx_len // bs) for s in meta.prefills)
+        table = np.zeros((len(meta.prefills), nblk), dtype=np.int64)
+        for i, s in enumerate(meta.prefills):
+            n = -(-s.ctx_len // bs)
+            table[i, :n] = s.block_ids[:n]
+        meta.prefill_table = torch.from_numpy(table)
+        meta.prefill_spans = torch.tensor([(s.q_start, s.q_len, s.start_pos) for s in meta.prefills],
+                                          dtype=torch.int64)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+        torch.ops.kvmesh.paged_prefill_attention(out, q, k_cache, v_cache, meta.prefill_table, meta.prefill_spans,
+                                                 scale)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return torch.ops.kvmesh.paged_decode_attention(

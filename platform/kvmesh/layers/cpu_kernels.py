@@ -55,8 +55,8 @@ def load() -> bool:
                 digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(csrc.glob("*.[ch]*")))).hexdigest()
                 build(
                     name=f"kvmesh_cpu_kernels_{isa()}_{digest[:10]}",
-                    sources=[str(csrc / n) for n in ("paged_attention.cpp", "fused_ops.cpp", "skinny_gemm.cpp",
-                                                     "small_gemm.cpp", "decode_stack.cpp")],
+                    sources=[str(csrc / n) for n in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp",
+                                                     "skinny_gemm.cpp", "small_gemm.cpp", "decode_stack.cpp")],
                     # Reassociation lets gcc vectorize the dot-product reductions.
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fassociative-math",
                                   "-fno-signed-zeros", "-fno-trapping-math"],
@@ -65,7 +65,7 @@ def load() -> bool:
                     verbose=False,
                 )
                 ok = all(hasattr(torch.ops.kvmesh, op)
-                         for op in ("paged_decode_attention", "skinny_linear", "small_linear", "decode_stack",
+                         for op in ("paged_decode_attention", "paged_prefill_attention", "skinny_linear", "small_linear", "decode_stack",
                                    *FUSED_OPS))
             except Exception as exc:  # no compiler, headers, ...: use the torch path
                 logger.warning("kvmesh CPU kernels unavailable (%s); using the PyTorch path", exc)
