@@ -156,6 +156,22 @@ def test_paged_prefill_kernel_matches_dense(dtype, tol, chunks, h, kvh, d):
     torch.testing.assert_close(out[nd:].float(), ref[nd:].float(), rtol=tol, atol=tol)
 
 
+def test_cpu_backend_keeps_the_reference_prefill_without_vector_kernels():
+    """On a CPU with neither AVX2 nor AVX-512 the CPU backend prefills with SDPA (the
+    prefill kernel's scalar build is slower); decodes still take the C++ kernel."""
+    if not cpu_kernels.load():
+        pytest.fail("C++ CPU kernels failed to build on this machine")
+    be = get_attention_backend("cpu", 16, CPU)
+    be.prefill_kernel = False
+    spans, t = _random_batch(4, [(0, 13), (40, 9)], 16, 3, 32)
+    meta = be.build_metadata(spans, 4)
+    assert meta.prefill_spans is None and len(meta.prefill_masks) == 2
+    kc, vc = torch.randn(1200, 16, 3, 32), torch.randn(1200, 16, 3, 32)
+    q, k, v = torch.randn(t, 9, 32), torch.randn(t, 3, 32), torch.randn(t, 3, 32)
+    out = be.forward(q, k, v, (kc, vc), meta, 32**-0.5)
+    torch.testing.assert_close(out, _dense_reference(spans, q, kc, vc, 16, 32**-0.5), rtol=1e-4, atol=1e-5)
+
+
 def test_paged_prefill_kernel_refuses_bad_input():
     if not cpu_kernels.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")

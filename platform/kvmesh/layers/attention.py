@@ -191,7 +191,15 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     # C++ op (csrc/decode_stack.cpp) that calls this backend's kernel itself.
     runs_decode_stack = True
 
+    def __init__(self, block_size: int, device: torch.device):
+        super().__init__(block_size, device)
+        # The prefill kernel's register tiles need AVX2 or AVX-512; its portable scalar build
+        # is ~8x slower than SDPA, so CPUs with neither keep the reference prefill.
+        self.prefill_kernel = cpu_kernels.isa() != "generic"
+
     def _prefill_metadata(self, meta: AttentionMetadata) -> None:
+        if not self.prefill_kernel:
+            return super()._prefill_metadata(meta)
         if not meta.prefills:
             return
         bs = self.block_size
@@ -205,6 +213,8 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
                                           dtype=torch.int64)
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+        if not self.prefill_kernel:
+            return super()._prefill(q, k, v, k_cache, v_cache, meta, scale, out)
         torch.ops.kvmesh.paged_prefill_attention(out, q, k_cache, v_cache, meta.prefill_table, meta.prefill_spans,
                                                  scale)
 

@@ -102,12 +102,24 @@ inline void chunk_rows(const scalar_t* kp, const scalar_t* vp, const int64_t* ta
 
 // One head's chunk of n scores `sg`, exponentiated in place against the running max `m`
 // raised to the chunk's max, which is returned; `sum` gets the chunk's sum of exponentials.
+// Whole vectors with explicit intrinsics (vexp), the n % W rest scalar: the `omp simd` form
+// of this loop ran at half the AVX-512 width (decode attention, 48 sequences of 100-500
+// tokens, 30 layers: 45.4 -> 41.4 ms).
 inline float exp_chunk(float* sg, int64_t n, float m, float& sum) {
-  float mx = m;
-  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < n; ++j) {
+  const int64_t nw = n / W * W;
+  vec vm = vset1(m);
+  for (int64_t j = 0; j < nw; j += W) vm = vmax(vm, vload(sg + j));
+  float mx = vmaxall(vm);
+  for (int64_t j = nw; j < n; ++j) mx = std::max(mx, sg[j]);
+  const vec neg_mx = vset1(-mx);
+  vec vs = vzero();
+  for (int64_t j = 0; j < nw; j += W) {
+    const vec e = vexp(vadd(vload(sg + j), neg_mx));
+    vstore(sg + j, e);
+    vs = vadd(vs, e);
+  }
+  float s = vsum(vs);
+  for (int64_t j = nw; j < n; ++j) {
     sg[j] = exp_nonpos(sg[j] - mx);
     s += sg[j];
   }
