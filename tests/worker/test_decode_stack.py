@@ -86,6 +86,36 @@ def test_multi_sequence_decode_steps_run_the_stack_bit_for_bit(model_factory, st
         assert all(torch.equal(x, y) for x, y in zip(lg_a[rid], lg_b[rid])), rid
 
 
+@pytest.mark.parametrize("n", [8, 13])
+def test_small_gemm_decode_steps_run_the_stack_bit_for_bit(model_factory, stack_calls, monkeypatch, n):
+    """Decode steps of as many sequences as the small-batch GEMM's window takes (8-64) run
+    the stack in a float32 model, its linears on that GEMM as `Linear` runs them: the same
+    bits as the layer loop; bf16 models keep the loop for them."""
+    torch.set_num_threads(1)
+    path = model_factory(qkv_bias=True)
+    g = torch.Generator().manual_seed(n)
+    prompts = [torch.randint(3, 384, (int(k),), generator=g).tolist() for k in torch.randint(1, 20, (n,), generator=g)]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    runs = []
+    for stack in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(CpuPagedAttentionBackend, "runs_decode_stack", stack)
+            engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=256)
+            stack_calls.clear()
+            runs.append(run_collecting_logits(engine, prompts, params))
+            assert engine.num_free_blocks == engine.num_usable_blocks
+        if stack:
+            assert sum(stack_calls) == MAX_NEW - 1
+    (tok_a, lg_a), (tok_b, lg_b) = runs
+    assert tok_a == tok_b
+    for rid in lg_a:
+        assert all(torch.equal(x, y) for x, y in zip(lg_a[rid], lg_b[rid])), rid
+    bf16 = build_engine(model=str(path), progress=False, block_size=4, num_blocks=256, dtype="bfloat16")
+    stack_calls.clear()
+    run_collecting_logits(bf16, prompts, params)
+    assert stack_calls and not any(stack_calls)
+
+
 def test_larger_batches_and_prefill_steps_take_the_layer_loop(model_factory, stack_calls):
     path = model_factory()
     engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=128)
@@ -93,7 +123,8 @@ def test_larger_batches_and_prefill_steps_take_the_layer_loop(model_factory, sta
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18], [19, 20, 21], [22, 23]]
     run_collecting_logits(engine, prompts[: SKINNY_KERNEL_ROWS + 1], params)
-    # One more than the stack takes, all prefilled in one step, decoding together: no step qualifies.
+    # One more than the skinny GEMM takes and fewer than the small-batch one does, all prefilled
+    # in one step, decoding together: no step qualifies.
     assert stack_calls and not any(stack_calls)
     assert engine.num_free_blocks == engine.num_usable_blocks
 
@@ -108,7 +139,7 @@ def test_bf16_stack_equals_layer_loop(model_factory, stack_calls, monkeypatch):
 
 def _random_stack(t: int, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2, d: int = 8):
     g = torch.Generator().manual_seed(t)
-    inter, bs, nb = 48, 4, 16
+    inter, bs, nb = 48, 4, max(16, 4 * t)
     norms, linears, biases = [], [], []
     for _ in range(layers):
         norms += [1 + 0.1 * torch.randn(hidden, generator=g), 1 + 0.1 * torch.randn(hidden, generator=g)]
@@ -120,38 +151,41 @@ def _random_stack(t: int, layers: int = 2, hidden: int = 32, heads: int = 4, kv_
               for _ in range(layers)]
     ang = torch.randn(t, 1, d // 2, generator=g)
     ang = torch.cat((ang, ang), dim=-1)
-    ctx = torch.tensor([5, 9, 2, 16][:t])
-    tables = torch.stack([torch.randperm(nb, generator=g)[:4] for _ in range(t)])
+    ctx = torch.tensor([5, 9, 2, 16][:t]) if t <= 4 else torch.randint(1, 17, (t,), generator=g)
+    tables = torch.randperm(nb, generator=g)[: 4 * t].view(t, 4)  # distinct blocks: no slot written twice
     slots = torch.stack([tables[i, (ctx[i] - 1) // bs] * bs + (ctx[i] - 1) % bs for i in range(t)])
     return dict(h=torch.randn(t, hidden, generator=g), cos=ang.cos(), sin=ang.sin(), norms=norms, linears=linears,
                 kinds=[STACK_DENSE] * len(linears), kernels=[0] * len(linears), biases=biases, caches=caches,
-                slots=slots, tables=tables, ctx=ctx, heads=heads, kv_heads=kv_heads, scale=d**-0.5)
+                slots=slots, tables=tables, ctx=ctx, heads=heads, kv_heads=kv_heads, scale=d**-0.5,
+                skinny_rows=SKINNY_KERNEL_ROWS)
 
 
 def _call_stack(a, caches):
     return torch.ops.kvmesh.decode_stack(
         a["h"], a["cos"], a["sin"], a["norms"], a["linears"], a["kinds"], a["kernels"], a["biases"],
         [k for k, _ in caches], [v for _, v in caches], a["slots"], a["tables"], a["ctx"], a["heads"],
-        a["kv_heads"], 1e-6, a["scale"])
+        a["kv_heads"], 1e-6, a["scale"], a["skinny_rows"])
 
 
-@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("t", [1, 3, 8, 21])
 def test_op_matches_the_separate_kernels(t):
-    """Up to 4 tokens (one per sequence): the op equals the same kernels called one by one,
-    and writes each token's K / V into its slot."""
+    """The op equals the same kernels called one by one (the skinny GEMM up to
+    skinny_rows tokens, one per sequence, the small-batch GEMM above), and writes each
+    token's K / V into its slot."""
     a = _random_stack(t)
     ops = torch.ops.kvmesh
+    gemm = ops.skinny_linear if t <= a["skinny_rows"] else ops.small_linear
     caches = [(k.clone(), v.clone()) for k, v in a["caches"]]
     h = a["h"]
     for layer, (kc, vc) in enumerate(caches):
         n, w, b = a["norms"][2 * layer:], a["linears"][4 * layer:], a["biases"][4 * layer:]
-        q, k, v = ops.rope_qkv(ops.skinny_linear(ops.rms_norm(h, n[0], 1e-6), w[0], b[0]), a["cos"], a["sin"],
+        q, k, v = ops.rope_qkv(gemm(ops.rms_norm(h, n[0], 1e-6), w[0], b[0]), a["cos"], a["sin"],
                                a["heads"], a["kv_heads"])
         kc.view(-1, *kc.shape[2:]).index_copy_(0, a["slots"], k)
         vc.view(-1, *vc.shape[2:]).index_copy_(0, a["slots"], v)
         o = ops.paged_decode_attention(q, kc, vc, a["tables"], a["ctx"], a["scale"])
-        h, x = ops.add_rms_norm(h, ops.skinny_linear(o.view(t, -1), w[1], b[1]), n[1], 1e-6)
-        h = h + ops.skinny_linear(ops.silu_and_mul(ops.skinny_linear(x, w[2], b[2])), w[3], b[3])
+        h, x = ops.add_rms_norm(h, gemm(o.view(t, -1), w[1], b[1]), n[1], 1e-6)
+        h = h + gemm(ops.silu_and_mul(gemm(x, w[2], b[2])), w[3], b[3])
     stack_caches = [(k.clone(), v.clone()) for k, v in a["caches"]]
     out = _call_stack(a, stack_caches)
     assert torch.equal(out, h)
@@ -164,7 +198,10 @@ def test_op_matches_the_separate_kernels(t):
     (lambda a: a["linears"].pop(), "too few linear tensors"),
     (lambda a: a["linears"].append(torch.zeros(1)), "more linear tensors"),
     (lambda a: a["slots"].fill_(10_000), "outside the KV cache"),
-    (lambda a: a.update(h=torch.randn(5, 32)), "T <= 4"),
+    (lambda a: a.update(h=torch.randn(65, 32)), "T <= 64"),
+    (lambda a: a.update(skinny_rows=5), "skinny_rows must be 0..4"),
+    (lambda a: (a.update(skinny_rows=0), a["kinds"].__setitem__(0, 1), a["linears"].insert(1, torch.zeros(1))),
+     "need every linear dense and float32"),
     (lambda a: a["linears"].__setitem__(1, torch.zeros(32, 7)), "dense weight must be"),
     (lambda a: (a["kinds"].__setitem__(0, 2), a["linears"].insert(1, torch.zeros(1)),
                 a["linears"].insert(1, torch.zeros(1))), "int4 needs its kernel"),

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.layers import ops as layer_ops
 from kvmesh.layers import triton_ops
 from kvmesh.layers.attention import AttentionBackend, AttentionMetadata
 from kvmesh.layers.cpu_kernels import fused
@@ -174,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
             return torch.ops.kvmesh.decode_stack(
                 h, cos, sin, *stack, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], meta.slot_mapping,
                 meta.decode_block_table, meta.decode_context_lens, attn.num_heads, attn.num_kv_heads,
-                self.cfg.rms_norm_eps, attn.scale)
+                self.cfg.rms_norm_eps, attn.scale, SKINNY_KERNEL_ROWS)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer(h, cos, sin, kv_cache, meta, backend)
         return h
@@ -183,19 +184,28 @@ class LlamaForCausalLM(nn.Module):
         """The per-model arguments of `torch.ops.kvmesh.decode_stack` when this step can
         run the whole layer stack as that one C++ call (csrc/decode_stack.cpp), else None.
 
-        It can when the step is all decodes of at most SKINNY_KERNEL_ROWS tokens on the CPU
-        paged-attention backend and every projection says how the op runs it
-        (`stack_linear`: a float32 / bf16 `Linear`, or, in a float32 model, an
-        int8 / int4 `QuantLinear` on kvmesh's CPU kernel): exactly the steps whose
-        layer-by-layer path runs the same C++ kernels one Python call at a time, so both
-        paths give the same bits. Anything else (prefill, other backends) takes the loop."""
+        It can when the step is all decodes on the CPU paged-attention backend and either
+        - it has at most SKINNY_KERNEL_ROWS tokens and every projection says how the op runs
+          it (`stack_linear`: a float32 / bf16 `Linear`, or, in a float32 model, an int8 /
+          int4 `QuantLinear` on kvmesh's CPU kernel), or
+        - it has a number of tokens in the small-batch GEMM's window (layers/ops.py
+          SMALL_GEMM_ROWS), the model is float32 and every projection a dense `Linear`:
+        exactly the steps whose layer-by-layer path runs the same C++ kernels one Python call
+        at a time, so both paths give the same bits. At 8-64 rows that loop cost ~2-4 ms a
+        step in Python and dispatch. Anything else (prefill, other backends) takes the loop."""
         t = h.shape[0]
-        if (not getattr(backend, "runs_decode_stack", False) or t > SKINNY_KERNEL_ROWS or meta.prefills
-                or meta.num_decodes != t or not fused(h)):
+        if (not getattr(backend, "runs_decode_stack", False) or meta.prefills or meta.num_decodes != t
+                or not fused(h)):
+            return None
+        small = t > SKINNY_KERNEL_ROWS
+        lo, hi = layer_ops.SMALL_GEMM_ROWS
+        if small and not (layer_ops.SMALL_GEMM and lo <= t <= hi and h.dtype == torch.float32):
             return None
         if self._stack_params is None:  # gathered once: ~800 module attribute reads, 1 ms a step
             self._stack_params = self._gather_stack_params() or False
-        return self._stack_params or None
+        if not self._stack_params or (small and any(k != STACK_DENSE for k in self._stack_params[2])):
+            return None
+        return self._stack_params
 
     _stack_params: tuple | bool | None = None
 

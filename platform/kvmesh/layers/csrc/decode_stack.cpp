@@ -24,7 +24,10 @@
 //   3 int4 mins [qweight, scales, mins]      } its C entry point, whose address
 //                                                linear_kernels holds; bias added after
 // exactly as the Python modules (layers/ops.py Linear, quant/modules.py QuantLinear) run
-// them for a few rows (layers/ops.py SKINNY_KERNEL_ROWS); the op itself takes up to 4.
+// them for a few rows (up to `skinny_rows`, layers/ops.py SKINNY_KERNEL_ROWS, at most 4).
+// Steps of more rows (up to 64: layers/ops.py SMALL_GEMM_ROWS) take the small-batch GEMM
+// (small_gemm.cpp) instead, as `Linear` does for them; they need every linear dense and
+// float32.
 // Activations, norms, biases, dense weights and the KV cache share one dtype: float32 or
 // bfloat16 (quantized layers: float32 only).
 #include <ATen/ATen.h>
@@ -52,9 +55,12 @@ struct StackLinear {
   const at::Tensor* t;
   int64_t kernel;
   std::optional<at::Tensor> bias;
+  int64_t skinny_rows;  // dense layers: the skinny GEMM up to this many rows, the small-batch one above
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (kind == kDense) return kvmesh_cpu::skinny_linear(x, t[0], bias);
+    if (kind == kDense)
+      return x.size(0) <= skinny_rows ? kvmesh_cpu::skinny_linear(x, t[0], bias)
+                                      : kvmesh_cpu::small_linear(x, t[0], bias);
     const int64_t M = x.size(0), K = x.size(1), N = t[0].size(0);
     auto y = at::empty({M, N}, x.options());
     if (kind == kInt8) {
@@ -130,18 +136,20 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
                         const c10::List<std::optional<at::Tensor>>& biases, at::TensorList k_caches,
                         at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                        double scale) {
+                        double scale, int64_t skinny_rows) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(norms.size()) == 2 * L &&
                   static_cast<int64_t>(linear_kinds.size()) == 4 * L &&
                   static_cast<int64_t>(linear_kernels.size()) == 4 * L &&
                   static_cast<int64_t>(biases.size()) == 4 * L,
               "decode_stack: per layer 2 norms, 4 linears (kind, kernel, bias each), one K and one V cache");
-  TORCH_CHECK(h_in.dim() == 2 && h_in.size(0) >= 1 && h_in.size(0) <= 4 &&
+  TORCH_CHECK(h_in.dim() == 2 && h_in.size(0) >= 1 && h_in.size(0) <= 64 &&
                   (h_in.scalar_type() == at::kFloat || h_in.scalar_type() == at::kBFloat16),
-              "decode_stack: hidden must be float32 or bfloat16 (T <= 4, hidden)");
+              "decode_stack: hidden must be float32 or bfloat16 (T <= 64, hidden)");
+  TORCH_CHECK(skinny_rows >= 0 && skinny_rows <= 4, "decode_stack: skinny_rows must be 0..4");
   const int64_t T = h_in.size(0), hidden = h_in.size(1);
   const at::ScalarType dtype = h_in.scalar_type();
+  const bool small = T > skinny_rows;  // every linear on the small-batch GEMM
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T && block_tables.size(0) == T &&
                   context_lens.numel() == T,
               "decode_stack: one slot, block-table row and context length per token (int64)");
@@ -158,7 +166,9 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
     TORCH_CHECK(kind >= kDense && kind <= kInt4Mins, "decode_stack: linear ", i, ": unknown kind ", kind);
     const size_t count = kind == kDense ? 1 : kind == kInt8 ? 2 : 3;
     TORCH_CHECK(next + count <= linear_tensors.size(), "decode_stack: too few linear tensors for their kinds");
-    linears.push_back({kind, linear_tensors.data() + next, linear_kernels[i], biases.get(i)});
+    TORCH_CHECK(!small || (kind == kDense && dtype == at::kFloat), "decode_stack: steps of more than ",
+                skinny_rows, " rows need every linear dense and float32 (linear ", i, ")");
+    linears.push_back({kind, linear_tensors.data() + next, linear_kernels[i], biases.get(i), skinny_rows});
     next += count;
   }
   TORCH_CHECK(next == linear_tensors.size(), "decode_stack: more linear tensors than their kinds take");
@@ -203,7 +213,7 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("decode_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] linear_tensors, "
         "int[] linear_kinds, int[] linear_kernels, Tensor?[] biases, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
-        "float eps, float scale) -> Tensor");
+        "float eps, float scale, int skinny_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("decode_stack", &kvmesh_cpu::decode_stack); }

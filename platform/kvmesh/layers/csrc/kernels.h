@@ -13,6 +13,9 @@ namespace kvmesh_cpu {
 // skinny_gemm.cpp: y = x @ w.T + b for x (M <= 4, K).
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
 
+// small_gemm.cpp: y = x @ w.T + b for x (a few dozen rows, K).
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
+
 // paged_attention.cpp: one query token per sequence against its paged K/V.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
