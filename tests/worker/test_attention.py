@@ -172,6 +172,26 @@ def test_cpu_backend_keeps_the_reference_prefill_without_vector_kernels():
     torch.testing.assert_close(out, _dense_reference(spans, q, kc, vc, 16, 32**-0.5), rtol=1e-4, atol=1e-5)
 
 
+def test_cpu_backend_prefills_bf16_with_sdpa():
+    """bf16 models prefill through SDPA on the CPU backend too (its bf16 dot products beat the
+    fp32 kernel); the reference metadata is built once, on the first layer's call."""
+    if not cpu_kernels.load():
+        pytest.fail("C++ CPU kernels failed to build on this machine")
+    be = get_attention_backend("cpu", 16, CPU)
+    spans, t = _random_batch(2, [(0, 13), (40, 9)], 16, 3, 32)
+    meta = be.build_metadata(spans, 2)
+    assert meta.prefill_spans is not None and not meta.prefill_masks
+    kc, vc = torch.randn(1200, 16, 3, 32).bfloat16(), torch.randn(1200, 16, 3, 32).bfloat16()
+    q, k, v = (torch.randn(t, n, 32).bfloat16() for n in (9, 3, 3))
+    out = be.forward(q, k, v, (kc, vc), meta, 32**-0.5)
+    masks = list(meta.prefill_masks)
+    assert len(masks) == 2
+    be.forward(q, k, v, (kc, vc), meta, 32**-0.5)  # a second layer reuses them
+    assert all(a is b for a, b in zip(masks, meta.prefill_masks))
+    ref = _dense_reference(spans, q.float(), kc.float(), vc.float(), 16, 32**-0.5)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
 def test_paged_prefill_kernel_refuses_bad_input():
     if not cpu_kernels.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
