@@ -39,6 +39,23 @@ def test_packed_weight_follows_edits_and_casts():
                                    rtol=3e-2, atol=3e-2)
 
 
+def test_model_runner_prepacks_every_onednn_linear(model_factory):
+    """The runner reorders every weight oneDNN serves when it starts, not on the first prompt
+    long enough to leave the skinny / small-batch kernels (a multi-second stall there)."""
+    from kvmesh.build import build_engine
+
+    engine = build_engine(model=str(model_factory()), progress=False, block_size=4, num_blocks=64)
+    linears = [m for m in engine.executor.runner.model.modules() if isinstance(m, ops.Linear)]
+    assert linears
+    for lin in linears:
+        assert (lin._packed is not None) == ops.onednn_usable(lin.weight)
+    lin = ops.Linear(16, 8)
+    lin.prepack()
+    packed = lin._packed
+    lin.prepack()  # already packed: kept
+    assert lin._packed is packed and (packed is not None) == ops.onednn_usable(lin.weight)
+
+
 def test_onednn_path_choice():
     w32, w16 = torch.zeros(8, 8), torch.zeros(8, 8, dtype=torch.bfloat16)
     assert ops.onednn_usable(w32) == ops._ONEDNN

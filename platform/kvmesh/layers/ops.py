@@ -133,11 +133,19 @@ class Linear(torch.nn.Linear):
                 and self.weight.dtype == torch.float32 and x.dtype == torch.float32 and cpu_kernels.fused(x)):
             return torch.ops.kvmesh.small_linear(x, self.weight, self.bias)
         if x.dim() == 2 and onednn_usable(self.weight):
-            if self._packed is None:
-                with torch.no_grad():
-                    self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_HINT_ROWS)
+            self.prepack()
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
+
+    def prepack(self) -> None:
+        """Reorder the weight for oneDNN's packed GEMM if it has none yet (a no-op where oneDNN
+        does not serve this weight). The model runner calls it for every layer at start-up:
+        decode batches up to SMALL_GEMM_ROWS[1] rows never reach oneDNN, so the reorder used to
+        land on the first prompt longer than that, ~2 s for SmolLM2-135M that a server's first
+        long request waited for (and every request queued behind it)."""
+        if self._packed is None and onednn_usable(self.weight):
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_HINT_ROWS)
 
     def stack_linear(self) -> tuple[int, list[torch.Tensor], int] | None:
         """How csrc/decode_stack.cpp runs this layer for up to SKINNY_KERNEL_ROWS rows:
@@ -154,3 +162,10 @@ class Linear(torch.nn.Linear):
     def invalidate(self) -> None:
         """Drop the reordered weight after editing `weight` in place."""
         self._packed = None
+
+
+def prepack_linears(model: torch.nn.Module) -> None:
+    """`Linear.prepack` every layer of `model` (see there)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.prepack()

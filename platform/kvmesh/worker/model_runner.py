@@ -16,6 +16,7 @@ import torch
 
 from kvmesh.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from kvmesh.layers.attention import SeqSpan, get_attention_backend
+from kvmesh.layers.ops import prepack_linears
 from kvmesh.models.arch import ArchConfig
 from kvmesh.worker.cuda_graphs import DecodeGraphs, GraphRecorder
 from kvmesh.worker.sampler import sample
@@ -47,6 +48,7 @@ class ModelRunner:
         """`cuda_graph_max_batch` > 0 captures decode graphs up to that batch (CUDA, or any
         device with a `graph_recorder`, for tests); `max_model_len` bounds their contexts."""
         self.model = model
+        prepack_linears(model)  # oneDNN's weight layout now, not on the first long prompt
         self.arch = arch
         self.device = device
         self.dtype = next(model.parameters()).dtype
