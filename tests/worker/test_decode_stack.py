@@ -62,28 +62,34 @@ def test_quantized_stack_equals_layer_loop(model_factory, stack_calls, monkeypat
         _prompts(384), stack_calls, monkeypatch)
 
 
-def test_multi_sequence_decode_steps_run_the_stack_bit_for_bit(model_factory, stack_calls, monkeypatch):
-    """Decodes of up to SKINNY_KERNEL_ROWS sequences in one step run the stack too (every
-    linear of such a step takes the skinny GEMM either way): the same bits as the loop."""
-    torch.set_num_threads(1)
-    path = model_factory(qkv_bias=True)
-    # prompts of 4, 13 and 30 tokens, and more up to SKINNY_KERNEL_ROWS sequences
-    prompts = (_prompts(384)[1:] + [[7, 8, 9, 10, 11], [12, 13]])[:SKINNY_KERNEL_ROWS]
+def _batch_stack_equals_loop(path, prompts, stack_calls, monkeypatch, num_blocks=128):
+    """All `prompts` at once with the stack, then without: every decode step ran the stack
+    (the prompts are prefilled in the first step, each later step decodes all of them), the
+    same tokens and logits bit for bit, every block back."""
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     runs = []
     for stack in (True, False):
         with monkeypatch.context() as m:
             m.setattr(CpuPagedAttentionBackend, "runs_decode_stack", stack)
-            engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=128)
+            engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=num_blocks)
             stack_calls.clear()
             runs.append(run_collecting_logits(engine, prompts, params))
             assert engine.num_free_blocks == engine.num_usable_blocks
-        if stack:  # the prompts are prefilled in the first step; each later step decodes all of them
+        if stack:
             assert sum(stack_calls) == MAX_NEW - 1
     (tok_a, lg_a), (tok_b, lg_b) = runs
     assert tok_a == tok_b
     for rid in lg_a:
         assert all(torch.equal(x, y) for x, y in zip(lg_a[rid], lg_b[rid])), rid
+
+
+def test_multi_sequence_decode_steps_run_the_stack_bit_for_bit(model_factory, stack_calls, monkeypatch):
+    """Decodes of up to SKINNY_KERNEL_ROWS sequences in one step run the stack too (every
+    linear of such a step takes the skinny GEMM either way): the same bits as the loop."""
+    torch.set_num_threads(1)
+    # prompts of 4, 13 and 30 tokens, and more up to SKINNY_KERNEL_ROWS sequences
+    prompts = (_prompts(384)[1:] + [[7, 8, 9, 10, 11], [12, 13]])[:SKINNY_KERNEL_ROWS]
+    _batch_stack_equals_loop(model_factory(qkv_bias=True), prompts, stack_calls, monkeypatch)
 
 
 @pytest.mark.parametrize("n", [8, 13])
@@ -95,21 +101,8 @@ def test_small_gemm_decode_steps_run_the_stack_bit_for_bit(model_factory, stack_
     path = model_factory(qkv_bias=True)
     g = torch.Generator().manual_seed(n)
     prompts = [torch.randint(3, 384, (int(k),), generator=g).tolist() for k in torch.randint(1, 20, (n,), generator=g)]
+    _batch_stack_equals_loop(path, prompts, stack_calls, monkeypatch, num_blocks=256)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
-    runs = []
-    for stack in (True, False):
-        with monkeypatch.context() as m:
-            m.setattr(CpuPagedAttentionBackend, "runs_decode_stack", stack)
-            engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=256)
-            stack_calls.clear()
-            runs.append(run_collecting_logits(engine, prompts, params))
-            assert engine.num_free_blocks == engine.num_usable_blocks
-        if stack:
-            assert sum(stack_calls) == MAX_NEW - 1
-    (tok_a, lg_a), (tok_b, lg_b) = runs
-    assert tok_a == tok_b
-    for rid in lg_a:
-        assert all(torch.equal(x, y) for x, y in zip(lg_a[rid], lg_b[rid])), rid
     bf16 = build_engine(model=str(path), progress=False, block_size=4, num_blocks=256, dtype="bfloat16")
     stack_calls.clear()
     run_collecting_logits(bf16, prompts, params)

@@ -107,18 +107,9 @@ inline void chunk_rows(const scalar_t* kp, const scalar_t* vp, const int64_t* ta
 // tokens, 30 layers: 45.4 -> 41.4 ms).
 inline float exp_chunk(float* sg, int64_t n, float m, float& sum) {
   const int64_t nw = n / W * W;
-  vec vm = vset1(m);
-  for (int64_t j = 0; j < nw; j += W) vm = vmax(vm, vload(sg + j));
-  float mx = vmaxall(vm);
+  float mx = vmax_row(sg, nw, m);
   for (int64_t j = nw; j < n; ++j) mx = std::max(mx, sg[j]);
-  const vec neg_mx = vset1(-mx);
-  vec vs = vzero();
-  for (int64_t j = 0; j < nw; j += W) {
-    const vec e = vexp(vadd(vload(sg + j), neg_mx));
-    vstore(sg + j, e);
-    vs = vadd(vs, e);
-  }
-  float s = vsum(vs);
+  float s = vexp_row(sg, nw, mx);
   for (int64_t j = nw; j < n; ++j) {
     sg[j] = exp_nonpos(sg[j] - mx);
     s += sg[j];

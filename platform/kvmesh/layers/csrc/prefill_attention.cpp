@@ -254,18 +254,9 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
           // -inf for the max and to exactly 0 after the exponential.
           const int64_t nvw = round_up(nv, W);
           for (int64_t j = nv; j < nvw; ++j) s[j] = -INFINITY;
-          vec vm = vset1(m[r]);
-          for (int64_t j = 0; j < nvw; j += W) vm = vmax(vm, vload(s + j));
-          const float mx = vmaxall(vm);
-          const vec neg_mx = vset1(-mx);
-          vec vs = vzero();
-          for (int64_t j = 0; j < nvw; j += W) {
-            const vec e = vexp(vadd(vload(s + j), neg_mx));
-            vstore(s + j, e);
-            vs = vadd(vs, e);
-          }
+          const float mx = vmax_row(s, nvw, m[r]);
+          const float sum = vexp_row(s, nvw, mx);  // the masked lanes add ~1e-38 each to a sum >= 1: nothing
           std::fill(s + nv, s + nk, 0.f);
-          const float sum = vsum(vs);  // the masked lanes add ~1e-38 each to a sum >= 1: nothing
           if (m[r] != -INFINITY) {
             const float alpha = exp_approx(m[r] - mx);
             if (alpha != 1.f) {

@@ -135,4 +135,24 @@ inline vec vexp(vec x) {
   return vmul(p, vpow2i(k));
 }
 
+// The softmax pieces of a row of n = whole vectors of scores (n % W == 0), shared by the
+// attention kernels: the running max raised to the row's, and the row exponentiated in
+// place against a max (returns the sum of the exponentials).
+inline float vmax_row(const float* s, int64_t n, float m) {
+  vec vm = vset1(m);
+  for (int64_t j = 0; j < n; j += W) vm = vmax(vm, vload(s + j));
+  return vmaxall(vm);
+}
+
+inline float vexp_row(float* s, int64_t n, float mx) {
+  const vec neg_mx = vset1(-mx);
+  vec vs = vzero();
+  for (int64_t j = 0; j < n; j += W) {
+    const vec e = vexp(vadd(vload(s + j), neg_mx));
+    vstore(s + j, e);
+    vs = vadd(vs, e);
+  }
+  return vsum(vs);
+}
+
 }  // namespace kvmesh_vec
