@@ -164,8 +164,11 @@ class Linear(torch.nn.Linear):
         self._packed = None
 
 
-def prepack_linears(model: torch.nn.Module) -> None:
-    """`Linear.prepack` every layer of `model` (see there)."""
-    for module in model.modules():
-        if isinstance(module, Linear):
+def prepack_linears(model: torch.nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> None:
+    """`Linear.prepack` every layer of `model` (see there) but those named in `skip`: the
+    output head gets one row per sequence (the skinny / small-batch GEMMs up to 64), so a
+    packed copy of it (113 MB for SmolLM2-135M) would sit unused; a step that needs more rows
+    (prompt logprobs) packs it then."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name.rsplit(".", 1)[-1] not in skip:
             module.prepack()
