@@ -207,7 +207,6 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> qbuf(rows_max * D), obuf(rows_max * D), sbuf(rows_max * NK), m(rows_max), l(rows_max);
-    std::vector<int64_t> nvalid(rows_max);
     const scalar_t* vrows[NK];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ti = 0; ti < ntasks; ++ti) {
@@ -245,7 +244,6 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
         for (int64_t r = 0; r < RP; ++r) {
           float* s = sbuf.data() + r * NK;
           const int64_t nv = r < R ? std::clamp<int64_t>(pos0 + r / G - k0 + 1, 0, nk) : 0;
-          nvalid[r] = nv;
           if (nv == 0) {
             std::fill(s, s + nk, 0.f);
             continue;
