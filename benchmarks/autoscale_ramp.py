@@ -3,8 +3,10 @@
 * **Serving**: `kvmesh serve --config` (a local Ray instance) of one `unified` worker
   deployment (the single-worker shape of `kvmesh serve`: every replica prefills and
   decodes) autoscaling between 1 and 2 replicas on kvmesh's own signals
-  (`KvmeshAutoscalingPolicy`: queue depth, KV usage, TTFT / TPOT p90 and the oldest
-  request's wait for its first token against `slo`), with
+  (`KvmeshAutoscalingPolicy`: queue depth, KV usage, batch slot usage, TTFT / TPOT p90
+  and the oldest request's wait for its first token against `slo`, and the engine's
+  busy fraction against `--busy-high`: a one-thread CPU replica runs out of compute
+  before its batch slots fill), with
   Ray's timing knobs shortened so the ramp plays out in minutes (`--upscale-delay-s`,
   `--downscale-delay-s`, `--look-back-s`, `--metrics-interval-s`, `--slo-window-s`).
 * **Why the queue decides**: each replica runs `--max-num-seqs` requests at a time on
@@ -12,8 +14,10 @@
   grows with the queue. TPOT's target is left loose (`--tpot-slo`): on 2 shared cores a
   second replica relieves the queue (and the TTFT it causes), not the per-token time.
 * **Load**: open-loop Poisson arrivals through the OpenAI HTTP API
-  (benchmarks/_loadgen.py), `--low-rate` / `--high-rate` / `--low-rate` req/s for
-  `--phase-s` seconds each; distinct random prompts (no prefix-cache hits).
+  (benchmarks/_loadgen.py) whose rate is `--low-rate` for `--phase-s`, rises linearly to
+  `--high-rate` over `--ramp-s`, holds it for `--phase-s`, falls back over `--ramp-s` and
+  holds `--low-rate` for `--phase-s` (`--ramp-s 0`: a step, low -> high -> low); distinct
+  random prompts (no prefix-cache hits).
 * **Observed**: Ray Serve's replica states of the deployment (`serve.status()`) and the
   router's registered workers every `--sample-s`; per `--window-s` window of arrivals the
   offered rate, TTFT p90 against `--ttft-slo`, and failures.
@@ -78,7 +82,8 @@ def serving_config(args, model: str | None) -> dict:
         "decode": {"resources": {"num_cpus": 0.5},
                    "autoscaling": {"min_replicas": 1, "max_replicas": args.max_replicas,
                                    "upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s,
-                                   "look_back_period_s": args.look_back_s, "metrics_interval_s": args.metrics_interval_s}},
+                                   "look_back_period_s": args.look_back_s, "metrics_interval_s": args.metrics_interval_s,
+                                   "busy_high": args.busy_high if args.busy_high > 0 else None}},
         "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo, "window_s": args.slo_window_s},
         "registry_ttl_s": 5,
     }
@@ -161,19 +166,39 @@ class ReplicaSampler(threading.Thread):
         self.join(10)
 
 
-def ramp(args, vocab: int) -> tuple[list[Request], list[float], list[tuple[float, float, float]]]:
-    """Poisson arrivals, phase by phase; (requests, arrival seconds, phases as (start, end, rate))."""
-    rng = random.Random(args.seed)
+def load_phases(args) -> list[tuple[float, float, float, float]]:
+    """(start, end, rate at start, rate at end) of each phase: low, a linear rise over
+    `--ramp-s`, high, a linear fall, low. `--ramp-s 0` is a step (no rise or fall phase)."""
+    shape = [(args.phase_s, args.low_rate, args.low_rate), (args.ramp_s, args.low_rate, args.high_rate),
+             (args.phase_s, args.high_rate, args.high_rate), (args.ramp_s, args.high_rate, args.low_rate),
+             (args.phase_s, args.low_rate, args.low_rate)]
     phases, t = [], 0.0
-    for rate in (args.low_rate, args.high_rate, args.low_rate):
-        phases.append((t, t + args.phase_s, rate))
-        t += args.phase_s
+    for length, r0, r1 in shape:
+        if length > 0:
+            phases.append((t, t + length, r0, r1))
+            t += length
+    return phases
+
+
+def rate_at(phases, t: float) -> float:
+    for start, end, r0, r1 in phases:
+        if start <= t < end:
+            return r0 + (r1 - r0) * (t - start) / (end - start)
+    return 0.0
+
+
+def ramp(args, vocab: int) -> tuple[list[Request], list[float], list[tuple[float, float, float, float]]]:
+    """Poisson arrivals whose rate follows `load_phases` (thinning: candidates at the peak
+    rate, each kept with probability rate(t) / peak); (requests, arrival seconds, phases)."""
+    rng = random.Random(args.seed)
+    phases = load_phases(args)
+    peak = max(max(r0, r1) for _, _, r0, r1 in phases)
     arrivals: list[float] = []
-    for start, end, rate in phases:
-        a = start + rng.expovariate(rate)
-        while a < end:
+    a = rng.expovariate(peak)
+    while a < phases[-1][1]:
+        if rng.random() * peak < rate_at(phases, a):
             arrivals.append(a)
-            a += rng.expovariate(rate)
+        a += rng.expovariate(peak)
     arrivals = [0.0] + arrivals[1:] if arrivals else arrivals  # the load generator sends the first at once
     reqs = [Request([rng.randrange(100, vocab - 1) for _ in range(args.prompt_tokens)], args.max_tokens)
             for _ in arrivals]
@@ -216,12 +241,12 @@ def markdown(r: dict) -> str:
              f"`kvmesh serve` with one `{ROLE}` deployment, 1..{c['max_replicas']} replicas on kvmesh's policy; "
              f"model {c['model']}, {c['threads']} torch thread(s) and max_num_seqs {c['max_num_seqs']} per replica, "
              f"prompts {c['prompt_tokens']} tokens, {c['max_tokens']} output tokens. SLO: TTFT p90 <= "
-             f"{c['ttft_slo']} s (TPOT {c['tpot_slo']} s, loose). Ray knobs: upscale delay {c['upscale_delay_s']} s, "
+             f"{c['ttft_slo']} s (TPOT {c['tpot_slo']} s, loose); busy_high {c['busy_high']}. Ray knobs: upscale delay {c['upscale_delay_s']} s, "
              f"downscale delay {c['downscale_delay_s']} s, look-back {c['look_back_s']} s, metrics every "
              f"{c['metrics_interval_s']} s; latency window {c['slo_window_s']} s.", "",
              f"Load average at start {r['loadavg_start'][0]:.2f} (1 min), at end {r['loadavg_end'][0]:.2f}; "
              f"{os.cpu_count()} cores.", "", "## Phases", ""]
-    rows = [(f"{p['start_s']:.0f}-{p['end_s']:.0f}", f"{p['rate']:.2f}", p["requests"], p["failed"],
+    rows = [(f"{p['start_s']:.0f}-{p['end_s']:.0f}", _rates(p), p["requests"], p["failed"],
              _s(p["ttft_p50_s"]), _s(p["ttft_p90_s"]), f"{p['replicas_min']}-{p['replicas_max']}") for p in r["phases"]]
     lines += md_table(["seconds", "offered req/s", "requests", "failed", "TTFT p50", "TTFT p90", "replicas"],
                       rows, "lrrrrrr")
@@ -235,6 +260,10 @@ def markdown(r: dict) -> str:
               f"- TTFT p90 <= SLO in {s['windows_within_slo']} of {s['windows']} {c['window_s']:.0f}-s windows; "
               f"worst window {_s(s['worst_window_ttft_p90_s'])}; whole run p90 {_s(s['ttft_p90_s'])}", ""]
     return "\n".join(lines) + "\n"
+
+
+def _rates(p: dict) -> str:
+    return f"{p['rate']:.2f}" if p["rate"] == p["rate_end"] else f"{p['rate']:.2f} -> {p['rate_end']:.2f}"
 
 
 def _s(x) -> str:
@@ -274,11 +303,11 @@ def summarize(args, results, arrivals, phases, samples) -> tuple[list[dict], lis
     end_s = phases[-1][1]
     ws = windows(arrivals, results, end_s, args.window_s)
     per_phase = []
-    for start, end, rate in phases:
+    for start, end, rate, rate_end in phases:
         rs = [r for a, r in zip(arrivals, results) if start <= a < end]
         ttft = [r.ttft_s for r in rs if r.ok]
         running = [x["running"] for x in samples if start <= x["t_s"] < end] or [0]
-        per_phase.append({"start_s": start, "end_s": end, "rate": rate, "requests": len(rs),
+        per_phase.append({"start_s": start, "end_s": end, "rate": rate, "rate_end": rate_end, "requests": len(rs),
                           "failed": sum(not r.ok for r in rs), "ttft_p90_s": p90(ttft),
                           "ttft_p50_s": sorted(ttft)[len(ttft) // 2] if ttft else None,
                           "replicas_min": min(running), "replicas_max": max(running)})
@@ -310,11 +339,15 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--low-rate", type=float, default=0.4, help="req/s of the first and last phase")
     p.add_argument("--high-rate", type=float, default=3.0, help="req/s of the middle phase (above one replica's capacity)")
-    p.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase")
+    p.add_argument("--phase-s", type=float, default=45.0, help="seconds of each low and high phase")
+    p.add_argument("--ramp-s", type=float, default=45.0,
+                   help="seconds of the linear rise (low -> high) and fall (high -> low); 0: a step")
     p.add_argument("--tail-s", type=float, default=60.0, help="after the ramp, watch at most this long for 1 replica")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT p90 target, seconds")
     p.add_argument("--tpot-slo", type=float, default=1.0, help="TPOT p90 target, seconds (loose: the queue decides)")
     p.add_argument("--slo-window-s", type=float, default=6.0, help="seconds of finished requests a worker's p90 covers")
+    p.add_argument("--busy-high", type=float, default=0.8,
+                   help="add a replica above this busy fraction (autoscaling.busy_high; <= 0: busy is no signal)")
     p.add_argument("--upscale-delay-s", type=float, default=2.0)
     p.add_argument("--downscale-delay-s", type=float, default=15.0)
     p.add_argument("--look-back-s", type=float, default=4.0, help="Ray's look_back_period_s")
@@ -326,7 +359,7 @@ def parse_args(argv=None):
     p.add_argument("--watch", metavar="APP", default=None, help=argparse.SUPPRESS)  # the sampler process
     args = p.parse_args(argv)
     if args.smoke:
-        args.phase_s, args.tail_s, args.low_rate, args.high_rate = 20.0, 40.0, 1.0, 8.0
+        args.phase_s, args.ramp_s, args.tail_s, args.low_rate, args.high_rate = 20.0, 10.0, 40.0, 1.0, 8.0
         args.max_num_seqs, args.max_tokens, args.prompt_tokens, args.window_s = 1, 128, 32, 5.0
     return args
 
@@ -356,8 +389,8 @@ def main(argv=None) -> int:
         while not sampler.samples and time.monotonic() < deadline:  # the watcher has joined Ray
             time.sleep(0.5)
         sampler.t0 = time.time()
-        print(f"ramp: {len(reqs)} requests, {args.low_rate} -> {args.high_rate} -> {args.low_rate} req/s, "
-              f"{args.phase_s:.0f} s each", flush=True)
+        print(f"ramp: {len(reqs)} requests, {args.low_rate} -> {args.high_rate} -> {args.low_rate} req/s: "
+              f"{args.phase_s:.0f} s phases, {args.ramp_s:.0f} s rise and fall", flush=True)
         with tqdm(total=len(reqs), desc="ramp requests") as bar:
             results, wall = asyncio.run(run_load(base, "kvmesh", reqs, rate=0.0, arrivals_s=arrivals, progress=bar))
         deadline = time.monotonic() + args.tail_s

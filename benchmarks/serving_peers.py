@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -89,10 +90,10 @@ def start_server(name: str, model_dir: Path, port: int, grpc_port: int, log: Pat
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if name == "kvmesh-ray":
         cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--model", str(model_dir), "--http-port", str(port),
-               "--port", str(grpc_port)]
+               "--port", str(grpc_port), *shlex.split(args.kvmesh_args)]
     elif name == "kvmesh-local":
         cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--local", "--prefill-replicas", "0", "--model",
-               str(model_dir), "--http-port", str(port), "--port", str(grpc_port)]
+               str(model_dir), "--http-port", str(port), "--port", str(grpc_port), *shlex.split(args.kvmesh_args)]
     elif name == "vllm":
         env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4")
         cmd = [str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", str(model_dir), "--served-model-name", "kvmesh",
@@ -238,6 +239,7 @@ def main() -> int:
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO for goodput, seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO for goodput, seconds")
     p.add_argument("--no-offline", action="store_true")
+    p.add_argument("--kvmesh-args", default="", help="extra `kvmesh serve` flags for both kvmesh servers (A/B runs)")
     p.add_argument("--vllm-venv", default="/tmp/vllm-cpu")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--wait-idle", type=float, default=0, help="wait up to this many seconds for an idle machine")

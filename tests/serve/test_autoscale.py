@@ -16,9 +16,11 @@ from kvmesh.build import build_engine
 from kvmesh.config import EngineConfig
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.serve.autoscale import (
+    BUSY,
     KV_USAGE,
     OLDEST_WAIT,
     QUEUE,
+    SLOT_USAGE,
     TPOT_P90,
     TTFT_P90,
     KvmeshAutoscalingPolicy,
@@ -74,6 +76,9 @@ def test_worker_roles_get_the_kvmesh_policy_router_keeps_rays():
     policy = _resolve_policy_callable(_decode_config().policy)
     assert isinstance(policy, KvmeshAutoscalingPolicy)
     assert (policy.role, policy.slo.ttft_s, policy.slo.tpot_s) == ("decode", 1.0, 0.05)
+    assert policy.knobs["busy_high"] is None  # busy is no signal unless the config asks
+    busy = _resolve_policy_callable(_decode_config(busy_high=0.8).policy)
+    assert busy.knobs["busy_high"] == 0.8
 
 
 def test_decode_scales_up_on_tpot_over_slo_then_back_down_through_rays_wrapper():
@@ -162,3 +167,55 @@ def test_a_request_waiting_past_the_slo_scales_up_before_any_ttft_is_measured(ti
     engine.abort([f"r{i}" for i in range(3)])
     engine.step()
     assert engine.stats()["oldest_wait_s"] == 0.0
+
+
+def test_busy_and_slot_usage_cover_the_window():
+    now = [0.0]
+    window = LatencyWindow(window_s=6.0, clock=lambda: now[0])
+    assert window.usage(0.0, 0.0, 4) == (0.0, 0.0)  # one reading: nothing to compare yet
+    now[0] = 5.0
+    # 4 s of steps holding 10 seq-seconds over 5 s: busy 0.8, 10 / (5 s x 4 slots) = 0.5
+    assert window.usage(4.0, 10.0, 4) == pytest.approx((0.8, 0.5))
+    now[0] = 10.0
+    assert window.usage(4.0, 10.0, 4) == pytest.approx((0.4, 0.25))  # idle since 5 s; t=0 still anchors
+    now[0] = 12.0
+    assert window.usage(4.0, 10.0, 4) == (0.0, 0.0)  # the busy reading left the window
+
+
+def test_a_full_batch_scales_up_before_any_queue_or_latency_shows(tiny_llama):
+    """Slot usage leads under a rising load: a replica whose batch runs full has no queue
+    and meets its SLO, but the next arrivals will wait, so a unified or decode role grows;
+    a half-full batch holds."""
+    engine = build_engine(EngineConfig.model_validate(
+        {"model": {"model": str(tiny_llama)}, "cache": {"block_size": 4, "num_blocks": 64},
+         "scheduler": {"max_num_seqs": 2}}))
+    window = LatencyWindow(window_s=60.0)
+    config = _decode_config()
+
+    def run(n_requests: int) -> dict[str, float]:
+        replica_metrics(engine.stats(), window)
+        for i in range(n_requests):
+            engine.add_request(f"{n_requests}-{i}", [5 + i, 6, 7, 8, 9], SamplingParams(max_tokens=40, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()  # what the step loop does: back to back while requests run
+        m = replica_metrics(engine.stats(), window)
+        window._busy.clear()  # the next case measures from its own start
+        return m
+
+    full = run(2)
+    assert full[QUEUE] == 0.0 and full[OLDEST_WAIT] == 0.0 and full[TTFT_P90] == -1.0
+    assert full[SLOT_USAGE] > 0.7  # each step holds both sequences
+    for role in ("unified", "decode"):
+        assert KvmeshAutoscalingPolicy(role, ttft_s=1.0, tpot_s=10.0)(_ctx(config, 1, full, now=1.0))[0] == 2
+    half = run(1)
+    assert 0.3 < half[SLOT_USAGE] < 0.6
+    assert KvmeshAutoscalingPolicy("unified", ttft_s=1.0, tpot_s=10.0)(_ctx(config, 1, half, now=2.0))[0] == 1
+    assert engine.stats()["seq_seconds"] > 0.0 and engine.stats()["max_num_seqs"] == 2
+    # Busy: both cases stepped back to back, so each was ~fully busy. It is no signal by
+    # default (a large-batch GPU engine steps whenever any request runs) ...
+    assert full[BUSY] > 0.7 and half[BUSY] > 0.7
+    assert KvmeshAutoscalingPolicy("unified", ttft_s=1.0, tpot_s=10.0)(_ctx(config, 1, half, now=3.0))[0] == 1
+    # ... and scales a compute-bound replica up where the config asks for it (busy_high).
+    busy_policy = KvmeshAutoscalingPolicy("unified", ttft_s=1.0, tpot_s=10.0, busy_high=0.6)
+    assert busy_policy(_ctx(config, 1, half, now=4.0))[0] == 2
+    assert busy_policy(_ctx(config, 1, {**half, BUSY: 0.3}, now=5.0))[0] == 1

@@ -92,6 +92,11 @@ class LLMEngine:
         self._pins = PinnedPrompts(self.kv_manager.num_usable_blocks, cc.block_size, model.max_model_len,
                                    cc.max_pinned_fraction)
         self.spec_counters = {"proposed": 0, "accepted": 0, "verify_steps": 0}
+        # Seconds spent in steps, and their sum weighted by the sequences in each step: their
+        # growth over a window, divided by the window (and max_num_seqs), is how busy the
+        # engine was and how full its batch ran (autoscaling signals, serve.autoscale).
+        self.busy_seconds = 0.0
+        self.seq_seconds = 0.0
 
     def _propose(self) -> None:
         """Draft tokens for the next step of every request that is decoding."""
@@ -215,6 +220,7 @@ class LLMEngine:
         """One step. An exception anywhere in it fails only the requests it concerns
         (StepFailedError names them; their blocks are freed) and leaves the engine
         consistent for the next step: one poisoned request cannot stop the others."""
+        t0 = time.monotonic()
         self._expire_pins()
         try:
             sched = self.scheduler.schedule()
@@ -224,6 +230,10 @@ class LLMEngine:
             return self._run_scheduled(sched)
         except Exception as exc:
             self._fail([seq.request_id for seq in sched.seqs], exc)
+        finally:
+            elapsed = time.monotonic() - t0
+            self.busy_seconds += elapsed
+            self.seq_seconds += len(sched.seqs) * elapsed
 
     def _fail(self, request_ids: list[str], exc: Exception) -> None:
         """Abort `request_ids` after a failed step (blocks freed, held KV released) and
@@ -413,6 +423,9 @@ class LLMEngine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "oldest_wait_s": self.scheduler.oldest_wait_s(time.monotonic()),
+            "busy_seconds": self.busy_seconds,
+            "seq_seconds": self.seq_seconds,
+            "max_num_seqs": self.scheduler.max_num_seqs,
             "num_free_blocks": kv.num_free_blocks,
             "num_usable_blocks": kv.num_usable_blocks,
             "kv_usage": kv.usage(),

@@ -1,5 +1,6 @@
-"""Replica counts from kvmesh's own signals: queue depth, KV usage, measured TTFT /
-TPOT and the age of the oldest request still waiting for its first token against SLO targets, decided per role (prefill replicas answer for TTFT, decode
+"""Replica counts from kvmesh's own signals: queue depth, KV usage, batch slot usage,
+measured TTFT / TPOT and the age of the oldest request still waiting for its first token
+against SLO targets, decided per role (prefill replicas answer for TTFT, decode
 replicas for TPOT and KV room, unified ones for both).
 
 Ray Serve's default policy counts requests that pass through Ray; kvmesh's requests
@@ -38,6 +39,12 @@ class ScaleSignals:
     # a lower bound on its TTFT, known before that TTFT is measured. Under a sudden load
     # step it crosses the SLO seconds before the measured p90 does.
     oldest_wait_s: float | None = None
+    # Mean fraction of the replicas' batch slots (max_num_seqs) in use over the window; None:
+    # not reported. A batch that runs full queues every new request, so this leads TTFT
+    # under a rising load by the seconds a replica needs to start.
+    slot_usage: float | None = None
+    # Mean fraction of the window the replicas spent in engine steps; None: not reported.
+    busy: float | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,12 @@ class ScalePolicy:
     slo_headroom: float = 0.8  # aim p90 at this fraction of the SLO
     scale_down_below: float = 0.4  # every pressure under this: one replica fewer
     max_growth: float = 2.0  # at most this factor up per decision
+    slot_usage_high: float = 0.75  # mean batch fullness at which to add a replica
+    # Mean busy fraction at which to add a replica; None (the default): busy is not a
+    # signal. For replicas whose steps are compute-bound at small batches (CPU): they run
+    # out of compute before their batch slots fill. A large-batch GPU engine steps
+    # whenever any request runs, so busy says little there.
+    busy_high: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -58,6 +71,10 @@ class ScalePolicy:
 def pressure(s: ScaleSignals, slo: SLO, policy: ScalePolicy) -> float:
     """How far over target the role runs: 1.0 = at target, 2.0 = twice."""
     terms = [s.queue_depth / (policy.target_queue_per_replica * max(s.replicas, 1))]
+    if s.slot_usage is not None:
+        terms.append(s.slot_usage / policy.slot_usage_high)
+    if s.busy is not None and policy.busy_high is not None:
+        terms.append(s.busy / policy.busy_high)
     if s.role in ("decode", "unified"):
         terms.append(s.kv_usage / policy.kv_usage_high)
         if s.tpot_p90_s is not None:

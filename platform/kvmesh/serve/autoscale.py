@@ -7,7 +7,9 @@ gRPC streams from the router to the workers, which Ray never sees. Instead:
 1. every worker replica reports custom autoscaling metrics (Ray Serve calls the
    deployment's `record_autoscaling_stats`; `replica_metrics` builds the dict): waiting
    requests, KV usage, the age of its oldest request still waiting for a first token,
-   and the p90 TTFT of the requests whose first token came in the last
+   how full its batch ran (slot usage: the mean number of sequences per step over the
+   last `LatencyWindow.window_s`, as a fraction of max_num_seqs), how much of that window
+   it spent stepping (busy), and the p90 TTFT of the requests whose first token came in the last
    `LatencyWindow.window_s` and p90 TPOT of those that finished in it (engine-side:
    queueing + prefill, decode steps);
 2. Ray's controller averages each metric over `look_back_period_s` per replica and calls
@@ -36,17 +38,21 @@ KV_USAGE = "kvmesh_kv_usage"
 TTFT_P90 = "kvmesh_ttft_p90_s"
 TPOT_P90 = "kvmesh_tpot_p90_s"
 OLDEST_WAIT = "kvmesh_oldest_wait_s"
+SLOT_USAGE = "kvmesh_slot_usage"
+BUSY = "kvmesh_busy"
 _NONE = -1.0  # metric value for "no request finished in the window" (Ray metrics are numbers)
 
 
 class LatencyWindow:
-    """TTFT and TPOT of the requests a worker finished recently (engine-side)."""
+    """TTFT and TPOT of the requests a worker finished recently (engine-side), and how
+    full its batch ran over the same window."""
 
     def __init__(self, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         self.window_s = window_s
         self._clock = clock
         self._ttft: collections.deque[tuple[float, float]] = collections.deque()
         self._tpot: collections.deque[tuple[float, float]] = collections.deque()
+        self._busy: collections.deque[tuple[float, float]] = collections.deque()  # (time, engine seq_seconds)
         self._lock = threading.Lock()  # the engine's step thread writes, Ray's metrics call reads
 
     def observe(self, outputs: Iterable[Any]) -> None:
@@ -76,6 +82,28 @@ class LatencyWindow:
         return out[0], out[1]
 
 
+    def usage(self, busy_seconds: float, seq_seconds: float, max_num_seqs: int) -> tuple[float, float]:
+        """(busy, slot usage) over the last `window_s`, from the engine's cumulative
+        `busy_seconds` and `seq_seconds` (stats()) read now: the fraction of the window the
+        engine spent in steps, and the mean fraction of its `max_num_seqs` batch slots in
+        use. Both lead TTFT under a rising load: a batch that runs full leaves each new
+        request to wait for a slot, and an engine that steps all the time has no compute
+        left for the next prompt, so the queue (and TTFT) grows from there while the
+        measured latencies are still within the SLO. (0, 0) until a second reading."""
+        now = self._clock()
+        with self._lock:
+            q = self._busy
+            q.append((now, busy_seconds, seq_seconds))
+            while len(q) > 2 and q[1][0] <= now - self.window_s:
+                q.popleft()  # keep one reading at or before the window's start
+            (t0, b0, s0), (t1, b1, s1) = q[0], q[-1]
+        if t1 <= t0:
+            return 0.0, 0.0
+        span = t1 - t0
+        slots = (s1 - s0) / (span * max_num_seqs) if max_num_seqs >= 1 else 0.0
+        return min(1.0, max(0.0, (b1 - b0) / span)), min(1.0, max(0.0, slots))
+
+
 def _p90(xs: list[float]) -> float | None:
     if not xs:
         return None
@@ -86,15 +114,18 @@ def _p90(xs: list[float]) -> float | None:
 def replica_metrics(stats: dict[str, Any], latency: LatencyWindow) -> dict[str, float]:
     """One worker replica's custom autoscaling metrics, from its engine's stats()."""
     ttft, tpot = latency.p90()
+    busy, slots = latency.usage(float(stats.get("busy_seconds", 0.0)), float(stats.get("seq_seconds", 0.0)),
+                                int(stats.get("max_num_seqs", 0)))
     return {QUEUE: float(stats.get("num_waiting", 0)), KV_USAGE: float(stats.get("kv_usage", 0.0)),
             TTFT_P90: _NONE if ttft is None else ttft, TPOT_P90: _NONE if tpot is None else tpot,
-            OLDEST_WAIT: float(stats.get("oldest_wait_s", 0.0))}
+            OLDEST_WAIT: float(stats.get("oldest_wait_s", 0.0)),
+            SLOT_USAGE: slots, BUSY: busy}
 
 
 def role_signals(role: str, replicas: int, metrics: dict[str, dict[Any, float]]) -> ScaleSignals:
     """Fold per-replica metrics (name -> replica -> value, Ray's aggregated_metrics) into
-    the role's signals: queues summed, KV usage averaged, latency (p90s and the oldest
-    wait) the worst replica's."""
+    the role's signals: queues summed, KV usage, slot usage and busy averaged, latency
+    (p90s and the oldest wait) the worst replica's."""
     def values(name: str) -> list[float]:
         return list((metrics.get(name) or {}).values())
 
@@ -102,8 +133,10 @@ def role_signals(role: str, replicas: int, metrics: dict[str, dict[Any, float]])
     ttft = [v for v in values(TTFT_P90) if v >= 0]
     tpot = [v for v in values(TPOT_P90) if v >= 0]
     wait = values(OLDEST_WAIT)
+    slots, busy = values(SLOT_USAGE), values(BUSY)
     return ScaleSignals(role, replicas, int(round(sum(values(QUEUE)))), sum(kv) / len(kv) if kv else 0.0,
-                        max(ttft) if ttft else None, max(tpot) if tpot else None, max(wait) if wait else None)
+                        max(ttft) if ttft else None, max(tpot) if tpot else None, max(wait) if wait else None,
+                        sum(slots) / len(slots) if slots else None, sum(busy) / len(busy) if busy else None)
 
 
 class KvmeshAutoscalingPolicy:
@@ -112,13 +145,14 @@ class KvmeshAutoscalingPolicy:
 
     def __init__(self, role: str, ttft_s: float, tpot_s: float, target_queue_per_replica: float = 4.0,
                  kv_usage_high: float = 0.9, slo_headroom: float = 0.8, scale_down_below: float = 0.4,
-                 max_growth: float = 2.0):
+                 max_growth: float = 2.0, slot_usage_high: float = 0.75, busy_high: float | None = None):
         if role not in ("prefill", "decode", "unified"):
             raise ValueError(f"role must be prefill, decode or unified, got {role!r}")
         self.role = role
         self.slo = SLO(ttft_s, tpot_s)
         self.knobs = dict(target_queue_per_replica=target_queue_per_replica, kv_usage_high=kv_usage_high,
-                          slo_headroom=slo_headroom, scale_down_below=scale_down_below, max_growth=max_growth)
+                          slo_headroom=slo_headroom, scale_down_below=scale_down_below, max_growth=max_growth,
+                          slot_usage_high=slot_usage_high, busy_high=busy_high)
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         replicas = ctx.current_num_replicas
@@ -138,7 +172,9 @@ class KvmeshAutoscalingPolicy:
         return want, {"kvmesh_signals": signals.__dict__, "kvmesh_desired": want}
 
 
-def policy_config(role: str, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
+def policy_config(role: str, slo_ttft_s: float, slo_tpot_s: float, busy_high: float | None = None) -> dict[str, Any]:
     """The `autoscaling_config.policy` entry of a worker deployment."""
-    return {"policy_function": POLICY_IMPORT_PATH,
-            "policy_kwargs": {"role": role, "ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}}
+    kwargs: dict[str, Any] = {"role": role, "ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}
+    if busy_high is not None:
+        kwargs["busy_high"] = busy_high
+    return {"policy_function": POLICY_IMPORT_PATH, "policy_kwargs": kwargs}

@@ -79,6 +79,10 @@ class Autoscaling(_Base):
         None, gt=0, description="Seconds between a replica's metric pushes to Ray's controller; None keeps "
         "Ray's default (10 s; Ray marks the field deprecated in favour of "
         "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S). Must stay below look_back_period_s.")
+    busy_high: float | None = Field(
+        None, gt=0, le=1, description="kvmesh signals: also add a replica when the role's replicas spend more than "
+        "this fraction of the time in engine steps (a utilization that leads TTFT where steps are compute-bound "
+        "at small batches, as on CPU); unset: busy is not a signal.")
     signals: Literal["kvmesh", "ongoing_requests"] = Field(
         "kvmesh", description="kvmesh: scale worker roles on queue depth, KV usage and TTFT / TPOT against the "
         "config's slo; ongoing_requests: Ray Serve's default policy (sees only calls through Ray).")
@@ -103,7 +107,7 @@ class Autoscaling(_Base):
         if self.metrics_interval_s is not None:  # unset: Ray's default, and no deprecation warning
             out["metrics_interval_s"] = self.metrics_interval_s
         if self.signals == "kvmesh" and role in WORKER_ROLES and slo is not None:
-            out["policy"] = policy_config(role, slo.ttft_s, slo.tpot_s)
+            out["policy"] = policy_config(role, slo.ttft_s, slo.tpot_s, self.busy_high)
             # The policy reads each metric's peak over the look-back, not its mean: the mean
             # lags a load step by half the look-back (measured: the ramp's first upscale came
             # ~15 s after the step with a 4-s look-back), while the peak reacts to the first
