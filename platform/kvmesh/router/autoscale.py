@@ -1,5 +1,5 @@
 """Replica counts from kvmesh's own signals: queue depth, KV usage, batch slot usage,
-measured TTFT / TPOT and the age of the oldest request still waiting for its first token
+the engine's busy fraction (where the policy asks for it), measured TTFT / TPOT and the age of the oldest request still waiting for its first token
 against SLO targets, decided per role (prefill replicas answer for TTFT, decode
 replicas for TPOT and KV room, unified ones for both).
 

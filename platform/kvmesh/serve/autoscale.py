@@ -45,14 +45,15 @@ _NONE = -1.0  # metric value for "no request finished in the window" (Ray metric
 
 class LatencyWindow:
     """TTFT and TPOT of the requests a worker finished recently (engine-side), and how
-    full its batch ran over the same window."""
+    busy its engine was and how full its batch ran over the same window."""
 
     def __init__(self, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
         self.window_s = window_s
         self._clock = clock
         self._ttft: collections.deque[tuple[float, float]] = collections.deque()
         self._tpot: collections.deque[tuple[float, float]] = collections.deque()
-        self._busy: collections.deque[tuple[float, float]] = collections.deque()  # (time, engine seq_seconds)
+        # (time, engine busy_seconds, engine seq_seconds) readings, for usage()
+        self._busy: collections.deque[tuple[float, float, float]] = collections.deque()
         self._lock = threading.Lock()  # the engine's step thread writes, Ray's metrics call reads
 
     def observe(self, outputs: Iterable[Any]) -> None:
@@ -80,7 +81,6 @@ class LatencyWindow:
                     q.popleft()
                 out.append(_p90([v for _, v in q]))
         return out[0], out[1]
-
 
     def usage(self, busy_seconds: float, seq_seconds: float, max_num_seqs: int) -> tuple[float, float]:
         """(busy, slot usage) over the last `window_s`, from the engine's cumulative
