@@ -189,18 +189,16 @@ def test_a_full_batch_scales_up_before_any_queue_or_latency_shows(tiny_llama):
     engine = build_engine(EngineConfig.model_validate(
         {"model": {"model": str(tiny_llama)}, "cache": {"block_size": 4, "num_blocks": 64},
          "scheduler": {"max_num_seqs": 2}}))
-    window = LatencyWindow(window_s=60.0)
     config = _decode_config()
 
     def run(n_requests: int) -> dict[str, float]:
+        window = LatencyWindow(window_s=60.0)  # each case measured from its own start
         replica_metrics(engine.stats(), window)
         for i in range(n_requests):
             engine.add_request(f"{n_requests}-{i}", [5 + i, 6, 7, 8, 9], SamplingParams(max_tokens=40, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()  # what the step loop does: back to back while requests run
-        m = replica_metrics(engine.stats(), window)
-        window._busy.clear()  # the next case measures from its own start
-        return m
+        return replica_metrics(engine.stats(), window)
 
     full = run(2)
     assert full[QUEUE] == 0.0 and full[OLDEST_WAIT] == 0.0 and full[TTFT_P90] == -1.0
