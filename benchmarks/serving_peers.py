@@ -11,6 +11,13 @@ starts, so servers never share the cores:
 - prefix:  4 shared 512-token prefixes + 64-token suffixes, 64 outputs, Poisson --rate;
 - burst:   --burst-requests random requests sent at once.
 
+The Poisson rate is a load, not a constant: machines of this pool differ 4x in speed (an
+AVX2 Zen 1 core does a quarter of an AMX Xeon's fp32 FLOPs), so a fixed 2 req/s that keeps
+an Intel Xeon near saturation overloads a Zen 1 by 4x, and TTFT then measures how long the
+backlog is, not how fast a server answers. `--rate auto` (the default) runs the offline
+engine first and gives each Poisson workload `--load` (0.8) times the request rate the
+offline engine sustains on that workload's requests on this machine; `--rate R` fixes it.
+
 Reported per server and workload: output tok/s, TTFT / TPOT / ITL / E2E p50 and p99,
 goodput (requests/s meeting the TTFT and TPOT SLOs) and SLO attainment; the offline
 engine's throughput on each workload's requests (all at once) is the ceiling the
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -54,14 +62,15 @@ def make_workload(name: str, args, vocab: int, seed: int = 0) -> tuple[list[Requ
     def toks(n: int) -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(n)]
 
+    rate = None if args.rate == "auto" else float(args.rate)  # auto: set from the offline engine
     if name == "random":
         reqs = [Request(toks(rng.randint(128, 384)), rng.randint(64, 192)) for _ in range(args.num_requests)]
-        return reqs, args.rate
+        return reqs, rate
     if name == "prefix":
         prefixes = [toks(args.prefix_tokens) for _ in range(4)]
         reqs = [Request(prefixes[i % 4] + toks(64), 64) for i in range(args.num_requests)]
         rng.shuffle(reqs)
-        return reqs, args.rate
+        return reqs, rate
     if name == "burst":
         return [Request(toks(rng.randint(128, 384)), rng.randint(64, 192))
                 for _ in range(args.burst_requests)], float("inf")
@@ -161,9 +170,24 @@ def run_offline(model_dir: Path, workloads: dict) -> dict:
         outs = llm.generate([r.prompt_ids for r in reqs], params)
         wall = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        out[wl] = {"output_tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall, "load_before": load}
-        print(f"== offline/{wl}: {tokens / wall:.1f} out tok/s (load {load['1min']:.2f})", flush=True)
+        out[wl] = {"output_tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall, "req_s": len(reqs) / wall,
+                   "load_before": load}
+        print(f"== offline/{wl}: {tokens / wall:.1f} out tok/s, {len(reqs) / wall:.2f} req/s "
+              f"(load {load['1min']:.2f})", flush=True)
     return out
+
+
+def calibrate_rates(workloads: dict, offline: dict, load: float) -> dict[str, float]:
+    """`--rate auto`: each Poisson workload arrives at `load` x the request rate the offline
+    engine sustained on its requests (all at once, so at saturation) on this machine."""
+    rates = {}
+    for wl, (reqs, rate) in list(workloads.items()):
+        if rate is None:
+            rates[wl] = round(load * offline[wl]["req_s"], 3)
+            workloads[wl] = (reqs, rates[wl])
+            print(f"== {wl}: Poisson rate {rates[wl]:.3f} req/s = {load:g} x the offline engine's "
+                  f"{offline[wl]['req_s']:.3f} req/s", flush=True)
+    return rates
 
 
 # -- report -----------------------------------------------------------------------------
@@ -174,6 +198,11 @@ def render(data: dict) -> str:
              f"CPU: {data['cpu']}; model {data['model']}, float32; SLO TTFT <= {data['slo_ttft_s']}s, "
              f"TPOT <= {1000 * data['slo_tpot_s']:.0f}ms; load (1 min) at start {data['load_start']['1min']:.2f}.",
              ""]
+    rates = data.get("rates") or {}
+    if rates:
+        lines += ["Poisson arrival rates, " + (f"{data['args']['load']:g} x the offline engine's request rate on this "
+                  "machine (--rate auto): " if data["args"].get("rate") == "auto" else "fixed (--rate): ")
+                  + ", ".join(f"{wl} {r:.3f} req/s" for wl, r in rates.items()) + ".", ""]
     for wl in data["workloads"]:
         off = data["results"].get("offline", {}).get(wl, {}).get("output_tok_s")
         rows = []
@@ -234,7 +263,11 @@ def main() -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--burst-requests", type=int, default=64)
-    p.add_argument("--rate", type=float, default=2.0, help="Poisson arrival rate (random, prefix), requests/s")
+    p.add_argument("--rate", default="auto",
+                   help="Poisson arrival rate (random, prefix) in requests/s, or 'auto': --load x the offline "
+                        "engine's request rate on each workload on this machine (the default)")
+    p.add_argument("--load", type=float, default=0.8, help="with --rate auto: offered load as a fraction of the "
+                                                           "offline engine's saturated request rate (0.8)")
     p.add_argument("--prefix-tokens", type=int, default=512)
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO for goodput, seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO for goodput, seconds")
@@ -247,6 +280,13 @@ def main() -> int:
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     p.add_argument("--name", default="serving_peers")
     args = p.parse_args()
+    if args.rate != "auto":
+        try:
+            float(args.rate)
+        except ValueError:
+            p.error(f"--rate must be a number of requests/s or 'auto', got {args.rate!r}")
+    if args.rate == "auto" and args.no_offline:
+        p.error("--rate auto sets the rates from the offline engine: drop --no-offline or give --rate R")
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
 
     from kvmesh.checkpoint.files import resolve_model_path
@@ -264,6 +304,11 @@ def main() -> int:
     data = {"date": time.strftime("%Y-%m-%dT%H:%M"), "cpu": cpu_model(), "model": str(model_dir),
             "load_start": load_snapshot(), "workloads": wls, "slo_ttft_s": args.slo_ttft, "slo_tpot_s": args.slo_tpot,
             "args": vars(args), "results": {}}
+    if not args.no_offline:  # first: --rate auto reads it, and it runs on cool cores
+        data["results"]["offline"] = run_offline(model_dir, workloads)
+        gc.collect()  # the offline engine's weights and KV cache go before the servers start
+    data["rates"] = calibrate_rates(workloads, data["results"].get("offline", {}), args.load)
+    data["rates"].update({wl: r for wl, (_, r) in workloads.items() if wl != "burst" and wl not in data["rates"]})
     for name in [s for s in args.servers.split(",") if s]:
         if name == "vllm" and not (Path(args.vllm_venv) / "bin" / "vllm").exists():
             print(f"== vllm: skipped, no venv at {args.vllm_venv} (../shared/peers/install_vllm_cpu.sh)")
@@ -273,8 +318,6 @@ def main() -> int:
         except (RuntimeError, TimeoutError) as exc:
             print(f"== {name}: failed: {exc}", file=sys.stderr)
             data["results"][name] = {"error": str(exc)}
-    if not args.no_offline:
-        data["results"]["offline"] = run_offline(model_dir, workloads)
     data["load_end"] = load_snapshot()
     paths = write_results(args.name, data, render(data), plot, args.out_dir)
     print(render(data))
