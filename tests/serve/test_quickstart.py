@@ -10,8 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from serve_procs import start_serve, stop_serve
+
+from kvmesh.serve.app import LOCAL_RAY_ENV
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -29,6 +32,7 @@ def test_readme_quickstart(tmp_path):
     s = start_serve([], tmp_path / "serve.log")
     try:
         assert s.grpc == "127.0.0.1:50051" and s.http == "http://127.0.0.1:8000"
+        assert_daemon_timers_slowed()
         out = subprocess.run(["bash", "-c", snippet("curl")], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         body = json.loads(out.stdout)
@@ -40,3 +44,20 @@ def test_readme_quickstart(tmp_path):
     finally:
         rc = stop_serve(s)
     assert rc == 0, s.log.read_text()[-3000:]
+
+
+def assert_daemon_timers_slowed() -> None:
+    """The Ray instance `kvmesh serve` started runs its daemons with LOCAL_RAY_ENV (the log
+    monitor's file scan, the Serve controller's loop)."""
+    seen = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        for daemon in ("log_monitor.py", "ray::ServeController"):
+            if daemon in cmd:
+                try:
+                    env = proc.environ()
+                except (psutil.AccessDenied, psutil.NoSuchProcess):
+                    continue
+                assert {k: env.get(k) for k in LOCAL_RAY_ENV} == LOCAL_RAY_ENV, (daemon, cmd)
+                seen.add(daemon)
+    assert {"log_monitor.py", "ray::ServeController"} <= seen, f"Ray daemons not found (saw {sorted(seen)})"

@@ -38,6 +38,19 @@ def build(args: dict[str, Any]) -> serve.Application:
     return build_app(ServingConfig.model_validate(args["config"]))
 
 
+# Timers of the Ray daemons that `start_ray` slows on the instance it starts (see there).
+LOCAL_RAY_ENV = {
+    # The Serve controller's reconcile loop, 0.1 s by default (~2.5% of a core on a small
+    # machine). Every 0.5 s still reacts to health and autoscaling well within their periods.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # The log monitor globs the session's log folder for new files every 0.1 s while it
+    # holds fewer than this many (then every LOG_NAME_UPDATE_INTERVAL_S). With 0 it looks
+    # for new files every 2 s; lines of files it knows are still read every 0.1 s.
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "LOG_NAME_UPDATE_INTERVAL_S": "2",
+}
+
+
 def start_ray(address: str | None, cfg: ServingConfig) -> bool:
     """Join `address`, or start a local Ray instance sized for `cfg`. True if started here."""
     if ray.is_initialized():
@@ -51,11 +64,12 @@ def start_ray(address: str | None, cfg: ServingConfig) -> bool:
         wanted += wl.resources.num_cpus * n
     # Logical CPUs: at least what the replicas ask for (they share the real cores).
     num_cpus = max(os.cpu_count() or 1, int(wanted + 0.999) + 1)
-    # The Serve controller's reconcile loop runs every 0.1 s by default: ~2.5% of a core
-    # taken from the model's threads on a small machine. Every 0.5 s still reacts to
-    # health and autoscaling well within their periods. (Processes of the local instance
-    # inherit this environment; a cluster sets it in its pods.)
-    os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+    # Processes of the local instance inherit this environment (a cluster sets it in its
+    # pods). Each entry slows a daemon's timer that wakes on the model's cores: a daemon
+    # that preempts one thread of the model's OpenMP team stalls the whole team at the next
+    # barrier, so a percent of a core taken costs up to two on a 2-core node.
+    for name, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(name, value)
     ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=REGISTRY_NAMESPACE, log_to_driver=False,
              object_store_memory=256 << 20)
     return True
