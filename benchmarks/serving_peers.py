@@ -309,8 +309,8 @@ def main() -> int:
     if not args.no_offline:  # first: --rate auto reads it, and it runs on cool cores
         data["results"]["offline"] = run_offline(model_dir, workloads)
         gc.collect()  # the offline engine's weights and KV cache go before the servers start
-    data["rates"] = calibrate_rates(workloads, data["results"].get("offline", {}), args.load)
-    data["rates"].update({wl: r for wl, (_, r) in workloads.items() if wl != "burst" and wl not in data["rates"]})
+    calibrate_rates(workloads, data["results"].get("offline", {}), args.load)
+    data["rates"] = {wl: r for wl, (_, r) in workloads.items() if r != float("inf")}  # the Poisson ones
     for name in [s for s in args.servers.split(",") if s]:
         if name == "vllm" and not (Path(args.vllm_venv) / "bin" / "vllm").exists():
             print(f"== vllm: skipped, no venv at {args.vllm_venv} (../shared/peers/install_vllm_cpu.sh)")
