@@ -23,7 +23,7 @@ from kvmesh.rpc import free_port
 from kvmesh.rpc.internal_auth import InternalAuth
 from kvmesh.rpc.tls import TLSFiles
 from kvmesh.serve.loop import LoopThread
-from kvmesh.serve.openai import GrpcBackend, create_app, serve_http_in_thread
+from kvmesh.serve.openai import GrpcBackend, InProcessBackend, create_app, serve_http_in_thread, start_http
 from kvmesh.worker.server import WorkerServerConfig
 
 TOKEN = "front-end-test-token"
@@ -51,12 +51,13 @@ def worker(tiny_llama):
 
 
 @contextlib.contextmanager
-def router(worker, config: RouterConfig | None = None, tls: TLSFiles | None = None):
+def router(worker, config: RouterConfig | None = None, tls: TLSFiles | None = None, loopback: bool = False):
     loop, w = worker
 
     async def start():
         r = RouterServer(StaticRegistry([w.address]), w.aengine.tokenizer,
-                         config or RouterConfig(stats_interval_s=0.1), tls=tls, auth=InternalAuth(token=TOKEN))
+                         config or RouterConfig(stats_interval_s=0.1), tls=tls, auth=InternalAuth(token=TOKEN),
+                         loopback=loopback)
         await r.start(min_workers=1)
         return r
 
@@ -65,6 +66,29 @@ def router(worker, config: RouterConfig | None = None, tls: TLSFiles | None = No
         yield r
     finally:
         loop.run(r.stop(grace=0.5))
+
+
+@contextlib.contextmanager
+def http_front(worker, r: RouterServer, backend_kind: str, **tls):
+    """The OpenAI HTTP app in front of router `r`; yields its port. 'inprocess': on the
+    router's loop, calling its servicer directly (`kvmesh serve`, `kvmesh router`);
+    'grpc': on a thread of its own over loopback gRPC (Ray Serve's proxy ingress)."""
+    loop, w = worker
+    port = free_port()
+    if backend_kind == "inprocess":
+        backend = InProcessBackend(r.servicer, lambda: r.serving, w.aengine.tokenizer, "kvmesh")
+        http = loop.run(start_http(create_app(lambda: backend), "127.0.0.1", port, **tls))
+        try:
+            yield port
+        finally:
+            loop.run(http.stop())
+    else:
+        backend = GrpcBackend(r.loopback_address, w.aengine.tokenizer, "kvmesh")
+        http = serve_http_in_thread(create_app(lambda: backend), "127.0.0.1", port, **tls)
+        try:
+            yield port
+        finally:
+            http.should_exit = True
 
 
 def _request(ids=PROMPT, salt: str = "", max_tokens: int = 2) -> llm_pb2.GenerateRequest:
@@ -127,24 +151,23 @@ def test_grpc_front_end_mutual_tls_refuses_foreign_client_certs(worker, certs):
             assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_http_front_end_over_tls(worker, certs):
-    loop, w = worker
-    with router(worker, tls=TLSFiles(cert_file=str(certs.cert), key_file=str(certs.key))) as r:
-        backend = GrpcBackend(r.loopback_address, w.aengine.tokenizer, "kvmesh")
-        port = free_port()
-        http = serve_http_in_thread(create_app(lambda: backend), "127.0.0.1", port,
-                                    ssl_certfile=str(certs.cert), ssl_keyfile=str(certs.key))
-        try:
-            with httpx.Client(verify=ssl.create_default_context(cafile=str(certs.ca)), timeout=60) as client:
-                models = client.get(f"https://localhost:{port}/v1/models")
-                done = client.post(f"https://localhost:{port}/v1/completions",
-                                   json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
-            assert models.status_code == 200 and models.json()["data"][0]["id"] == "kvmesh"
-            assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
-            with pytest.raises(httpx.HTTPError):
-                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)  # plaintext to a TLS port
-        finally:
-            http.should_exit = True
+@pytest.mark.parametrize("backend_kind", ["inprocess", "grpc"])
+def test_http_front_end_over_tls(worker, certs, backend_kind):
+    tls = TLSFiles(cert_file=str(certs.cert), key_file=str(certs.key))
+    with router(worker, tls=tls, loopback=backend_kind == "grpc") as r, \
+            http_front(worker, r, backend_kind, ssl_certfile=str(certs.cert), ssl_keyfile=str(certs.key)) as port:
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(certs.ca)), timeout=60) as client:
+            models = client.get(f"https://localhost:{port}/v1/models")
+            done = client.post(f"https://localhost:{port}/v1/completions",
+                               json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+            health = client.get(f"https://localhost:{port}/health")
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "kvmesh"
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
+        assert health.status_code == 200
+        if backend_kind == "inprocess":  # no plaintext loopback port is opened for it
+            assert r.loopback_address is None
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)  # plaintext to a TLS port
 
 
 # -- tenants: cache salt -----------------------------------------------------------------------
@@ -207,21 +230,15 @@ def test_token_limit_refuses_a_request_that_can_never_fit(worker):
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tokens per minute" in exc.value.details()
 
 
-def test_http_rate_limit_is_an_openai_429_with_retry_after(worker, monkeypatch):
-    loop, w = worker
+@pytest.mark.parametrize("backend_kind", ["inprocess", "grpc"])
+def test_http_rate_limit_is_an_openai_429_with_retry_after(worker, monkeypatch, backend_kind):
     monkeypatch.setenv("KVMESH_API_KEY", "key-http")
     config = RouterConfig(stats_interval_s=0.1, rate_limit=RateLimitConfig(requests_per_minute=1))
-    with router(worker, config) as r:
-        backend = GrpcBackend(r.loopback_address, w.aengine.tokenizer, "kvmesh")
-        port = free_port()
-        http = serve_http_in_thread(create_app(lambda: backend), "127.0.0.1", port)
-        body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
-        try:
-            with httpx.Client(timeout=60, headers={"Authorization": "Bearer key-http"}) as client:
-                ok = client.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
-                limited = client.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
-        finally:
-            http.should_exit = True
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    with router(worker, config) as r, http_front(worker, r, backend_kind) as port:
+        with httpx.Client(timeout=60, headers={"Authorization": "Bearer key-http"}) as client:
+            ok = client.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+            limited = client.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
     assert ok.status_code == 200
     assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
     assert limited.json()["error"]["type"] == "rate_limit_exceeded"

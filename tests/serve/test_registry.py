@@ -1,15 +1,27 @@
-"""The Ray worker registry: the watch (long poll) answers on a membership change or an
-expiry, not on heartbeats, and RayActorRegistry's view follows it (real local Ray)."""
+"""The Ray worker registry in the GCS key-value store: workers register, heartbeat and
+unregister, GcsRegistry's view follows them, and entries without a heartbeat expire and
+leave the store (real local Ray)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import Callable, Iterator
 
 import pytest
 import ray
+from ray.experimental.internal_kv import _internal_kv_exists, _internal_kv_list, _internal_kv_put
 
-from kvmesh.serve.registry import RayActorRegistry, WorkerRegistryActor
+from kvmesh.serve.registry import (
+    REGISTRY_NAMESPACE,
+    GcsRegistry,
+    GcsWorkerRegistration,
+    clear_registry,
+    registry_prefix,
+)
+
+POLL_S = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -22,57 +34,111 @@ def local_ray():
         ray.shutdown()
 
 
-def _actor(ttl_s: float):
-    return WorkerRegistryActor.options(name=f"test-registry-{uuid.uuid4().hex[:8]}").remote(ttl_s)
+@pytest.fixture
+def app(local_ray) -> Iterator[str]:
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    yield name
+    clear_registry(name)
 
 
-def _timed(ref) -> tuple[float, object]:
-    t0 = time.monotonic()
-    out = ray.get(ref, timeout=30)
-    return time.monotonic() - t0, out
+def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
-def test_watch_answers_on_change_not_on_heartbeat(local_ray):
-    reg = _actor(ttl_s=60)
-    took, (v1, workers) = _timed(reg.watch.remote(0, 10))
-    assert workers == {} and took < 5  # an unknown version answers at once
-
-    pending = reg.watch.remote(v1, 20)
-    time.sleep(0.3)
-    ray.get(reg.register.remote("10.0.0.1:7000", "decode"))
-    took, (v2, workers) = _timed(pending)
-    assert v2 > v1 and workers == {"10.0.0.1:7000": "decode"} and took < 5
-
-    ray.get(reg.register.remote("10.0.0.1:7000", "decode"))  # a heartbeat: no change
-    took, (v3, workers) = _timed(reg.watch.remote(v2, 0.5))
-    assert v3 == v2 and workers == {"10.0.0.1:7000": "decode"} and took >= 0.4
-
-    ray.get(reg.register.remote("10.0.0.1:7000", "prefill"))  # a new role is a change
-    _, (v4, workers) = _timed(reg.watch.remote(v3, 10))
-    assert v4 > v3 and workers == {"10.0.0.1:7000": "prefill"}
-
-    pending = reg.watch.remote(v4, 20)
-    ray.get(reg.unregister.remote("10.0.0.1:7000"))
-    _, (v5, workers) = _timed(pending)
-    assert v5 > v4 and workers == {}
+def _key(app: str, address: str) -> bytes:
+    return registry_prefix(app) + address.encode()
 
 
-def test_watch_reports_expiry_and_the_view_follows(local_ray):
-    reg = _actor(ttl_s=1.0)
-    ray.get(reg.register.remote("10.0.0.2:7000", "unified"))
-    view = RayActorRegistry(reg, watch_timeout_s=30)
+def test_register_and_unregister_reach_the_view(app):
+    view = GcsRegistry(app, ttl_s=60, poll_s=POLL_S)
     try:
         view.wait_first_view(10)
-        assert view.roles() == {"10.0.0.2:7000": "unified"}
-        ray.get(reg.register.remote("10.0.0.3:7000", "unified"))
-        deadline = time.monotonic() + 5
-        while len(view.addresses()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sorted(view.addresses()) == ["10.0.0.2:7000", "10.0.0.3:7000"]
-        # No heartbeats: both expire after the TTL, and the watch (30 s timeout) says so.
-        t0 = time.monotonic()
-        while view.addresses() and time.monotonic() - t0 < 10:
-            time.sleep(0.05)
-        assert view.addresses() == [] and time.monotonic() - t0 < 5
+        assert view.addresses() == [] and view.roles() == {}
+        decode = GcsWorkerRegistration(app, "10.0.0.1:7000", "decode", ttl_s=60)
+        prefill = GcsWorkerRegistration(app, "10.0.0.2:7000", "prefill", ttl_s=60)
+        decode.register()
+        prefill.register()
+        assert _until(lambda: len(view.addresses()) == 2)
+        assert view.roles() == {"10.0.0.1:7000": "decode", "10.0.0.2:7000": "prefill"}
+
+        decode.unregister()
+        assert not _internal_kv_exists(_key(app, "10.0.0.1:7000"), namespace=REGISTRY_NAMESPACE)
+        assert _until(lambda: view.addresses() == ["10.0.0.2:7000"])
+        prefill.unregister()
+        assert _until(lambda: view.addresses() == [])
     finally:
         view.close()
+
+
+def test_heartbeat_keeps_an_entry_past_the_ttl(app):
+    ttl_s = 2.0  # heartbeat every 0.5 s
+    worker = GcsWorkerRegistration(app, "10.0.0.3:7000", "unified", ttl_s=ttl_s)
+    worker.register()
+    view = GcsRegistry(app, ttl_s=ttl_s, poll_s=POLL_S)
+    try:
+        view.wait_first_view(10)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < ttl_s + 1.0:  # the first write is older than the TTL by then
+            assert view.roles() == {"10.0.0.3:7000": "unified"}
+            time.sleep(0.1)
+    finally:
+        view.close()
+        worker.unregister()
+
+
+def test_an_entry_without_heartbeat_expires_and_leaves_the_store(app):
+    # A replica that died without unregistering: its last heartbeat stays in the store.
+    key = _key(app, "10.0.0.4:7000")
+    _internal_kv_put(key, json.dumps({"role": "decode", "t": time.time()}), namespace=REGISTRY_NAMESPACE)
+    view = GcsRegistry(app, ttl_s=1.0, poll_s=POLL_S)
+    try:
+        view.wait_first_view(10)
+        assert view.addresses() == ["10.0.0.4:7000"]
+        t0 = time.monotonic()
+        assert _until(lambda: view.addresses() == [])
+        assert 0.5 < time.monotonic() - t0 < 3
+        assert _until(lambda: not _internal_kv_exists(key, namespace=REGISTRY_NAMESPACE), 2)
+    finally:
+        view.close()
+
+
+def test_apps_are_separate(app):
+    other = f"{app}-2"  # `app` is a prefix of its name, not of its keys
+    mine = GcsWorkerRegistration(app, "10.0.0.5:7000", "decode", ttl_s=60)
+    theirs = GcsWorkerRegistration(other, "10.0.0.6:7000", "prefill", ttl_s=60)
+    mine.register()
+    theirs.register()
+    views = GcsRegistry(app, ttl_s=60, poll_s=POLL_S), GcsRegistry(other, ttl_s=60, poll_s=POLL_S)
+    try:
+        for view in views:
+            view.wait_first_view(10)
+        assert views[0].roles() == {"10.0.0.5:7000": "decode"}
+        assert views[1].roles() == {"10.0.0.6:7000": "prefill"}
+
+        clear_registry(app)  # `kvmesh.serve.app.shutdown` of the first app
+        assert _internal_kv_list(registry_prefix(app), namespace=REGISTRY_NAMESPACE) == []
+        assert _internal_kv_list(registry_prefix(other), namespace=REGISTRY_NAMESPACE) == [_key(other, "10.0.0.6:7000")]
+    finally:
+        for view in views:
+            view.close()
+        mine.unregister()
+        theirs.unregister()
+
+
+def test_close_stops_the_thread(app):
+    view = GcsRegistry(app, ttl_s=60, poll_s=POLL_S)
+    view.wait_first_view(10)
+    view.close()
+    assert not view._thread.is_alive()
+    worker = GcsWorkerRegistration(app, "10.0.0.7:7000", "decode", ttl_s=60)
+    worker.register()
+    try:
+        time.sleep(5 * POLL_S)
+        assert view.addresses() == []
+    finally:
+        worker.unregister()

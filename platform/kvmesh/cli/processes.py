@@ -21,7 +21,7 @@ from kvmesh.router.registry import StaticRegistry
 from kvmesh.router.server import RouterServer
 from kvmesh.rpc import run_until_signalled
 from kvmesh.rpc.tls import TLSFiles
-from kvmesh.serve.openai import GrpcBackend, create_app, serve_http_in_thread
+from kvmesh.serve.openai import HTTPServer, InProcessBackend, create_app, start_http
 from kvmesh.telemetry.metrics import exposition
 from kvmesh.telemetry.tracing import configure_tracing
 from kvmesh.worker.server import WorkerServerConfig
@@ -110,15 +110,14 @@ def router_tls(args: argparse.Namespace) -> TLSFiles | None:
     return TLSFiles(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca)
 
 
-def start_http(router: RouterServer, tokenizer, model_id: str, host: str, port: int):
-    """The OpenAI-compatible HTTP API in this process, over loopback gRPC to `router`
-    (served over TLS with the router's certificate when it has one; the HTTP layer reaches
-    the router through its loopback port, see RouterServer)."""
-    backend = GrpcBackend(router.loopback_address, tokenizer, model_id)
+async def serve_router_http(router: RouterServer, tokenizer, model_id: str, host: str, port: int) -> HTTPServer:
+    """The OpenAI-compatible HTTP API in this process, on the router's event loop and calling
+    its servicer in-process (served over TLS with the router's certificate when it has one)."""
+    backend = InProcessBackend(router.servicer, lambda: router.serving, tokenizer, model_id)
     tls = router.tls
     files = {} if tls is None else {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file,
                                     "ssl_ca_certs": tls.client_ca_file}
-    return serve_http_in_thread(create_app(lambda: backend, exposition), host, port, **files)
+    return await start_http(create_app(lambda: backend, exposition), host, port, **files)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -148,14 +147,14 @@ def cmd_router(args: argparse.Namespace) -> int:
             nonlocal http
             await router.start(min_workers=args.min_workers or len(args.worker))
             if args.http_port is not None:
-                http = start_http(router, tokenizer, args.model_id, args.host, args.http_port)
+                http = await serve_router_http(router, tokenizer, args.model_id, args.host, args.http_port)
                 scheme = "https" if tls is not None else "http"
-                print(f"KVMESH_ROUTER_HTTP url={scheme}://{args.host}:{http.config.port}", flush=True)
+                print(f"KVMESH_ROUTER_HTTP url={scheme}://{args.host}:{http.port}", flush=True)
             print(f"KVMESH_ROUTER_READY address={router.address}", flush=True)
 
         async def stop() -> None:
             if http is not None:
-                http.should_exit = True
+                await http.stop()
             await router.stop()
 
         await run_until_signalled(start, stop)

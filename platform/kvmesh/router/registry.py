@@ -1,8 +1,9 @@
 """Worker discovery and the router's live view of each worker.
 
 A `WorkerRegistry` only answers "which addresses exist" (static list, in-process
-registry for local mode; a Ray named actor later). `WorkerPool` turns addresses into
-`WorkerHandle`s (channel, stub, last Stats, affinity memory) and polls Stats.
+registry for local mode; keys in Ray's GCS store under Ray Serve, serve/registry.py).
+`WorkerPool` turns addresses into `WorkerHandle`s (channel, stub, last Stats, affinity
+memory) and polls Stats.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ class RouterServer:
 
     def __init__(self, registry: WorkerRegistry, tokenizer, config: RouterConfig | None = None,
                  model_id: str = "kvmesh", host: str = "127.0.0.1", port: int = 0, metrics_port: int = 0,
-                 tls: TLSFiles | None = None, auth: InternalAuth | None = None):
+                 tls: TLSFiles | None = None, auth: InternalAuth | None = None, loopback: bool = False):
         self.config = config = config or RouterConfig()
         self.host, self.metrics_port = host, metrics_port
         self.metrics_server = None
@@ -53,14 +53,18 @@ class RouterServer:
         if self.port == 0:
             raise OSError(f"could not listen on {host}:{port}; pick another --port")
         self.address = f"{host}:{self.port}"
-        # The in-process HTTP layer's way in: with TLS on the public port, a second port on
-        # loopback only (API keys still apply); without TLS, the public port itself.
+        # The way in for an HTTP layer on another event loop (Ray Serve's proxy ingress; the
+        # router's own HTTP server calls the servicer in-process): without TLS, the public
+        # port; with TLS, only if `loopback` asks for it, a second, plaintext port on
+        # loopback only (API keys still apply).
         local_host = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        loopback_port = self.server.add_insecure_port("127.0.0.1:0") if tls is not None else self.port
-        self.loopback_address = f"{'127.0.0.1' if tls is not None else local_host}:{loopback_port}"
+        self.loopback_address: str | None = f"{local_host}:{self.port}"
+        if tls is not None:
+            self.loopback_address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}" if loopback else None
         self.servicer = LLMServicer(self.pool, config, tokenizer, model_id, keys, RateLimiter(config.rate_limit))
         llm_pb2_grpc.add_LLMServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
+        self.serving = False  # what gRPC health says (the in-process HTTP backend reads it)
         self._poller: asyncio.Task | None = None
         self._health_watch: asyncio.Task | None = None
 
@@ -71,23 +75,24 @@ class RouterServer:
         self.metrics_server = start_metrics_server(self.metrics_port, self.host)
         await self.server.start()
         await set_serving(self.health, [SERVICE_NAME], True)
+        self.serving = True
         self._health_watch = asyncio.create_task(self._watch_workers())
 
     async def _watch_workers(self) -> None:
         """gRPC health (and so the HTTP /health) is NOT_SERVING while no worker is healthy."""
-        serving = True
         while True:
             await asyncio.sleep(self.config.stats_interval_s)
             ok = any(w.healthy() for w in self.pool.handles())
-            if ok != serving:
+            if ok != self.serving:
                 logger.log(logging.INFO if ok else logging.ERROR, "router %s: %s", "serving again" if ok else
                            "NOT_SERVING", "a worker is healthy" if ok else "no healthy worker")
                 await set_serving(self.health, [SERVICE_NAME], ok)
-                serving = ok
+                self.serving = ok
 
     async def stop(self, grace: float = 2.0) -> None:
         if self._health_watch is not None:
             self._health_watch.cancel()
+        self.serving = False
         await set_serving(self.health, [SERVICE_NAME], False)
         if self._poller is not None:
             self._poller.cancel()

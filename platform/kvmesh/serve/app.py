@@ -6,8 +6,9 @@ validates the ServingConfig and hands it to `build_app` (serve/deployments.py: r
 and worker deployments, placed, restarted and scaled by Ray Serve). `start_ray` joins a
 Ray cluster or starts a local instance sized for the config, `deploy` applies the app
 declaratively (as `serve deploy` and KubeRay do) and waits until it runs, and
-`shutdown` deletes the app and its registry actor. The worker registry lives in
-serve/registry.py, the replicas' private event loops in serve/loop.py.
+`shutdown` deletes the app and its worker registry entries. The worker registry (keys in
+Ray's GCS key-value store) lives in serve/registry.py, the replicas' private event loops
+in serve/loop.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from kvmesh.serve.config import ServingConfig
 from kvmesh.serve.deployments import build_app
-from kvmesh.serve.registry import REGISTRY_NAMESPACE, registry_name
+from kvmesh.serve.registry import REGISTRY_NAMESPACE, clear_registry
 
 logger = logging.getLogger(__name__)
 
@@ -111,13 +112,13 @@ def deploy(cfg: ServingConfig, timeout_s: float = 900.0) -> None:
 
 
 def shutdown(cfg: ServingConfig, stop_ray: bool) -> None:
-    """Delete the app and its registry actor; also stop Serve and Ray if `stop_ray`."""
+    """Delete the app and its registry entries; also stop Serve and Ray if `stop_ray`."""
     try:
         serve.delete(cfg.name)
     except Exception as exc:
         logger.warning("could not delete the Ray Serve app %r: %r", cfg.name, exc)
     try:
-        ray.kill(ray.get_actor(registry_name(cfg.name), namespace=REGISTRY_NAMESPACE))
+        clear_registry(cfg.name)
     except Exception as exc:
         logger.warning("could not remove the worker registry of %r: %r", cfg.name, exc)
     if stop_ray:

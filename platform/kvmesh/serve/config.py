@@ -199,7 +199,7 @@ class SLOTargets(_Base):
 
 class ServingConfig(_Base):
     name: str = Field("kvmesh", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
-                      description="Application name (Ray Serve app, registry actor, metrics label).")
+                      description="Application name (Ray Serve app, worker registry keys, metrics label).")
     model_id: str = Field("kvmesh", min_length=1, description="Model name clients send (OpenAI `model`).")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     router: RouterWorkload = Field(default_factory=RouterWorkload)

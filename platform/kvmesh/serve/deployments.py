@@ -4,11 +4,11 @@
 unified): `router` (the public gRPC `kvmesh.v1.LLM` server plus the OpenAI-compatible
 HTTP ingress) and `prefill` / `decode` (or `unified`) workers. Each worker replica runs
 the ordinary kvmesh gRPC worker (engine, paged KV cache, continuous batching, KV
-transfer) on its own `LoopThread` and registers its address in the app's registry
-actor; a removed worker first leaves the registry, then drains its requests, then
-stops. The router replica watches the registry. Requests do not pass through Ray's
-request path: the router talks to workers over gRPC, which streams tokens and KV blocks
-without Ray object-store copies.
+transfer) on its own `LoopThread` and registers its address in the app's worker
+registry (keys in Ray's GCS key-value store, serve/registry.py); a removed worker first
+leaves the registry, then drains its requests, then stops. The router replica polls the
+registry. Requests do not pass through Ray's request path: the router talks to workers
+over gRPC, which streams tokens and KV blocks without Ray object-store copies.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 from typing import Any
 
@@ -31,8 +30,8 @@ from kvmesh.rpc.tls import TLSFiles
 from kvmesh.serve.autoscale import LatencyWindow, replica_metrics
 from kvmesh.serve.config import ServingConfig
 from kvmesh.serve.loop import LoopThread
-from kvmesh.serve.openai import GrpcBackend, create_app, serve_http_in_thread
-from kvmesh.serve.registry import RayActorRegistry, get_registry
+from kvmesh.serve.openai import Backend, GrpcBackend, InProcessBackend, create_app, start_http
+from kvmesh.serve.registry import GcsRegistry, GcsWorkerRegistration
 from kvmesh.telemetry.metrics import exposition
 from kvmesh.telemetry.tracing import configure_tracing
 from kvmesh.worker.server import WorkerServer, WorkerServerConfig
@@ -83,20 +82,9 @@ class WorkerDeployment:
         # The model loads in a thread of this process; the replica is not ready until it has.
         self.server = self._loop.run(_start_worker(_with_threads(cfg.engine_for(role)), cfg, role, self._latency))
         self.address = f"{_advertised_host(cfg.host)}:{self.server.port}"
-        self._registry = get_registry(cfg.name, cfg.registry_ttl_s)
-        ray.get(self._registry.register.remote(self.address, role))
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, daemon=True, name="kvmesh-heartbeat")
-        self._heartbeat.start()
+        self._registration = GcsWorkerRegistration(cfg.name, self.address, role, cfg.registry_ttl_s)
+        self._registration.register()
         logger.info("kvmesh %s worker serving at %s", role, self.address)
-
-    def _beat(self) -> None:
-        period = max(0.5, self.config.registry_ttl_s / 4)
-        while not self._stop.wait(period):
-            try:
-                self._registry.register.remote(self.address, self.role)
-            except Exception as exc:
-                logger.warning("heartbeat to the worker registry failed: %r", exc)
 
     async def check_health(self) -> None:
         """Ray Serve's health check: the loop runs and the engine is healthy (step loop
@@ -123,9 +111,8 @@ class WorkerDeployment:
 
     def __del__(self) -> None:
         # Scale-down / redeploy: leave placement first, then drain, then stop.
-        self._stop.set()
         try:
-            ray.get(self._registry.unregister.remote(self.address), timeout=5)
+            self._registration.unregister()
         except Exception as exc:
             logger.warning("worker %s could not leave the registry (its entry expires): %r", self.address, exc)
         try:
@@ -152,7 +139,7 @@ class WorkerDeployment:
 _STATE: dict[str, Any] = {}
 
 
-def _current_backend() -> GrpcBackend | None:
+def _current_backend() -> Backend | None:
     return _STATE.get("backend")
 
 
@@ -174,7 +161,7 @@ async def _workers_view():
     return {"workers": out, "retiring": sorted(router.pool.retiring)}
 
 
-def _wait_for_roles(registry: RayActorRegistry, needed: set[str], timeout_s: float) -> None:
+def _wait_for_roles(registry: GcsRegistry, needed: set[str], timeout_s: float) -> None:
     """Block until every role in `needed` has a registered worker (replicas of all
     deployments start together, so the router may come up first)."""
     deadline = time.monotonic() + timeout_s
@@ -184,12 +171,12 @@ def _wait_for_roles(registry: RayActorRegistry, needed: set[str], timeout_s: flo
         time.sleep(0.2)
 
 
-async def _start_router(registry: RayActorRegistry, tokenizer, cfg: ServingConfig, min_workers: int) -> RouterServer:
+async def _start_router(registry: GcsRegistry, tokenizer, cfg: ServingConfig, min_workers: int) -> RouterServer:
     sec = cfg.security
     tls = TLSFiles(cert_file=sec.tls_cert_file, key_file=sec.tls_key_file,
                    client_ca_file=sec.tls_client_ca_file) if sec.tls else None
     router = RouterServer(registry, tokenizer, cfg.router.config, cfg.model_id, cfg.host, cfg.grpc_port, tls=tls,
-                          auth=InternalAuth.load(sec.internal_token_file))
+                          auth=InternalAuth.load(sec.internal_token_file), loopback=cfg.http_ingress == "ray_proxy")
     await router.start(wait_workers_s=300, min_workers=min_workers)
     return router
 
@@ -205,20 +192,24 @@ class RouterDeployment:
         self.config = cfg = ServingConfig.model_validate(config)
         configure_tracing(cfg.tracing)
         tokenizer = load_router_tokenizer(cfg.engine.model.model)
-        self._registry = RayActorRegistry(get_registry(cfg.name, cfg.registry_ttl_s))
+        self._registry = GcsRegistry(cfg.name, cfg.registry_ttl_s)
         self._loop = LoopThread("kvmesh-router")
         needed = set(cfg.roles())
         _wait_for_roles(self._registry, needed, _ROUTER_WAIT_WORKERS_S)
         self.router = self._loop.run(_start_router(self._registry, tokenizer, cfg, len(needed)))
         self.grpc_address = f"{_advertised_host(cfg.host)}:{self.router.port}"
         _STATE["router"] = self.router
-        _STATE["backend"] = GrpcBackend(self.router.loopback_address, tokenizer, cfg.model_id)
         self._http = None
         if cfg.http_ingress == "router":
+            # HTTP on the router's loop, calling its servicer in-process (no loopback gRPC).
+            _STATE["backend"] = InProcessBackend(self.router.servicer, lambda: self.router.serving, tokenizer,
+                                                 cfg.model_id)
             sec = cfg.security
-            self._http = serve_http_in_thread(_api, cfg.host, cfg.http_port, ssl_certfile=sec.tls_cert_file,
-                                              ssl_keyfile=sec.tls_key_file, ssl_ca_certs=sec.tls_client_ca_file,
-                                              reuse_port=True)
+            self._http = self._loop.run(start_http(_api, cfg.host, cfg.http_port, ssl_certfile=sec.tls_cert_file,
+                                                   ssl_keyfile=sec.tls_key_file, ssl_ca_certs=sec.tls_client_ca_file,
+                                                   reuse_port=True))
+        else:  # Ray Serve's proxy calls the ingress on Ray's own loop: reach the router over loopback gRPC
+            _STATE["backend"] = GrpcBackend(self.router.loopback_address, tokenizer, cfg.model_id)
         logger.info("kvmesh router: gRPC at %s, HTTP %s", self.grpc_address,
                     f"on port {cfg.http_port}" if self._http else "through Ray Serve's proxy")
 
@@ -227,10 +218,10 @@ class RouterDeployment:
             raise RuntimeError("router event loop stopped")
 
     def __del__(self) -> None:
-        if getattr(self, "_http", None) is not None:
-            self._http.should_exit = True
         try:
             self._registry.close()
+            if getattr(self, "_http", None) is not None:
+                self._loop.run(self._http.stop(), timeout_s=15)
             self._loop.run(self.router.stop(grace=5.0), timeout_s=15)
         except Exception as exc:
             logger.warning("router did not stop cleanly: %r", exc)

@@ -1,131 +1,142 @@
-"""The worker registry of a Ray Serve app: a detached Ray named actor per app.
+"""The worker registry of a Ray Serve app: keys in Ray's GCS internal key-value store.
 
-Worker replicas register their gRPC address and role, and heartbeat it; an entry
-expires after `ttl_s` without a heartbeat, so a replica that dies without unregistering
-leaves placement too. The router replica reads the registry through
-`RayActorRegistry`, which implements `kvmesh.router.registry.WorkerRegistry` by
-keeping a copy fresh from a watching thread, so the router's event loop never blocks
-on a Ray call. Replicas that Ray adds or removes thus join or leave placement without
-a restart.
+Each worker replica writes `kvmesh/registry/<app>/<host:port>` -> `{"role": ..., "t": ...}`
+(KV namespace `kvmesh`) and rewrites it as a heartbeat (`GcsWorkerRegistration`). The
+router replica reads the app's keys through `GcsRegistry`, which implements
+`kvmesh.router.registry.WorkerRegistry` by keeping a copy fresh from a polling thread, so
+the router's event loop never blocks on the GCS. An entry whose heartbeat is older than
+`ttl_s` leaves the view and is deleted from the store, so a replica that dies without
+unregistering leaves placement too. Replicas that Ray adds or removes thus join or leave
+placement without a restart.
 
-The copy is kept by a long poll (a Kubernetes-style watch): `watch(version)` answers at
-once when the membership differs from what the caller has, else when it changes (a
-register, an unregister, an expiry) or after `timeout_s`. Polling every 0.5 s cost ~1.3%
-of a core on an idle 2-core machine (the actor's and the router's share of two Ray calls
-a second); the watch costs one call per change or per timeout.
+Why not a registry actor (what kvmesh had): an actor is a whole Ray worker process, and
+Ray's core worker runs a hard-coded 10-ms signal-check timer on the main thread of every
+worker process. On a 2-core node the registry actor cost ~160 wake-ups/s and ~1% of a
+core, and each wake-up preempts one of the model's OpenMP compute threads (which stalls
+the rest of its team at the next barrier). The GCS runs anyway and already serves every
+Ray process; the registry adds a few small RPCs a second to it and no process.
+
+Timestamps are wall-clock (`time.time()`): writers and readers are different processes,
+usually on different nodes, so the TTL assumes the nodes' clocks agree to well within it.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import logging
 import threading
 import time
 
-import ray
+from ray.experimental.internal_kv import internal_kv_get_gcs_client
 
 logger = logging.getLogger(__name__)
 
 REGISTRY_NAMESPACE = "kvmesh"
+_NAMESPACE = REGISTRY_NAMESPACE.encode()
+# Every GCS call has a deadline: a registry call must not hang a heartbeat, a replica's
+# shutdown or the router's view on a GCS that does not answer (the GCS client's
+# internal_kv_* calls, unlike ray.experimental.internal_kv's wrappers, take one).
+_GCS_TIMEOUT_S = 5.0
 
 
-def registry_name(app_name: str) -> str:
-    return f"kvmesh-registry-{app_name}"
+def registry_prefix(app_name: str) -> bytes:
+    """The app's keys; app names have no '/', so no app's prefix is inside another's."""
+    return f"kvmesh/registry/{app_name}/".encode()
 
 
-@ray.remote(num_cpus=0)
-class WorkerRegistryActor:
-    """Worker address -> (role, last heartbeat). Entries expire after `ttl_s` without a
-    heartbeat, so a replica that dies without unregistering leaves placement too.
-
-    `version` counts membership changes (a heartbeat of a known worker is none), so a
-    watcher that has seen version v needs an answer only once it moves."""
-
-    def __init__(self, ttl_s: float = 10.0):
-        self.ttl_s = ttl_s
-        self._workers: dict[str, tuple[str, float]] = {}
-        self.version = 1
-        self._changed = asyncio.Event()
-
-    def _bump(self) -> None:
-        self.version += 1
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def register(self, address: str, role: str) -> None:
-        known = self._workers.get(address)
-        self._workers[address] = (role, time.monotonic())
-        if known is None or known[0] != role:
-            self._bump()
-
-    async def unregister(self, address: str) -> None:
-        if self._workers.pop(address, None) is not None:
-            self._bump()
-
-    def _expire(self) -> float | None:
-        """Drop entries past their TTL; seconds until the next one expires (None: none)."""
-        now = time.monotonic()
-        alive = {a: (r, t) for a, (r, t) in self._workers.items() if now - t <= self.ttl_s}
-        if len(alive) != len(self._workers):
-            self._workers = alive
-            self._bump()
-        return min((t + self.ttl_s - now for _, t in alive.values()), default=None)
-
-    async def watch(self, version: int, timeout_s: float = 10.0) -> tuple[int, dict[str, str]]:
-        """(version, workers) once the membership is not the caller's `version` any more,
-        or after `timeout_s` (then unchanged). Expiries count as changes."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            next_expiry = self._expire()
-            left = deadline - time.monotonic()
-            if self.version != version or left <= 0:
-                return self.version, {a: r for a, (r, _) in self._workers.items()}
-            wait = left if next_expiry is None else min(left, next_expiry + 0.01)
-            try:
-                await asyncio.wait_for(self._changed.wait(), wait)
-            except asyncio.TimeoutError:
-                pass
+def clear_registry(app_name: str) -> None:
+    """Delete every entry of the app (`kvmesh.serve.app.shutdown`)."""
+    internal_kv_get_gcs_client().internal_kv_del(registry_prefix(app_name), True, _NAMESPACE,
+                                                 timeout=_GCS_TIMEOUT_S)
 
 
-def get_registry(app_name: str, ttl_s: float) -> ray.actor.ActorHandle:
-    """The app's registry actor, created by whichever replica asks first."""
-    return WorkerRegistryActor.options(
-        name=registry_name(app_name), namespace=REGISTRY_NAMESPACE, lifetime="detached", get_if_exists=True,
-    ).remote(ttl_s)
+class GcsWorkerRegistration:
+    """A worker replica's entry in its app's registry: `register()` writes it and starts a
+    thread that rewrites it every `max(0.5, ttl_s / 4)` s; `unregister()` stops the
+    thread and deletes it."""
 
-
-class RayActorRegistry:
-    """`kvmesh.router.registry.WorkerRegistry` over the registry actor: a thread keeps a
-    copy of the address list fresh by watching it, so `addresses()` never blocks the
-    router's loop."""
-
-    def __init__(self, actor: ray.actor.ActorHandle, watch_timeout_s: float = 10.0, retry_s: float = 0.5):
-        self._actor = actor
-        self._workers: dict[str, str] = {}
+    def __init__(self, app_name: str, address: str, role: str, ttl_s: float):
+        self.address = address
+        self.role = role
+        self._key = registry_prefix(app_name) + address.encode()
+        self._period_s = max(0.5, ttl_s / 4)
         self._stop = threading.Event()
-        self._fresh = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(watch_timeout_s, retry_s), daemon=True,
-                                        name="kvmesh-registry")
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="kvmesh-heartbeat")
+
+    def _put(self) -> None:
+        value = json.dumps({"role": self.role, "t": time.time()}).encode()
+        internal_kv_get_gcs_client().internal_kv_put(self._key, value, True, _NAMESPACE, timeout=_GCS_TIMEOUT_S)
+
+    def register(self) -> None:
+        """Write the entry (raises if the GCS does not take it) and start the heartbeat."""
+        self._put()
         self._thread.start()
 
-    def _watch(self, timeout_s: float, retry_s: float) -> None:
-        version = 0  # never the actor's: the first call answers at once
-        # A registry actor left by an older kvmesh (detached, it outlives a redeploy) has no
-        # watch: poll its `workers` as that version did.
-        can_watch = hasattr(self._actor, "watch")
-        while not self._stop.is_set():
+    def _beat(self) -> None:
+        while not self._stop.wait(self._period_s):
             try:
-                if can_watch:
-                    version, self._workers = ray.get(self._actor.watch.remote(version, timeout_s),
-                                                     timeout=timeout_s + 10)
-                else:
-                    self._workers = ray.get(self._actor.workers.remote(), timeout=10)
-                    self._stop.wait(retry_s)
-                self._fresh.set()
-            except Exception as exc:  # keep the last view; the actor may be restarting
-                logger.warning("worker registry unreachable (%r); keeping the last view", exc)
-                version = 0
-                self._stop.wait(retry_s)
+                self._put()
+            except Exception as exc:
+                logger.warning("heartbeat of worker %s to the registry failed: %r", self.address, exc)
+
+    def unregister(self) -> None:
+        """Leave the registry. The heartbeat stops first, so no late write brings the entry back."""
+        self._stop.set()
+        if self._thread.is_alive():  # not when `register()` failed
+            self._thread.join()
+        internal_kv_get_gcs_client().internal_kv_del(self._key, False, _NAMESPACE, timeout=_GCS_TIMEOUT_S)
+
+
+class GcsRegistry:
+    """`kvmesh.router.registry.WorkerRegistry` over the app's registry keys: a thread reads
+    them every `poll_s` (one listing and one multi-get), so `addresses()` and `roles()`
+    never block the router's loop. If the GCS does not answer, the last view stays."""
+
+    def __init__(self, app_name: str, ttl_s: float, poll_s: float = 1.0):
+        self._prefix = registry_prefix(app_name)
+        self._ttl_s = ttl_s
+        self._workers: dict[str, str] = {}  # address -> role; replaced whole, never mutated
+        self._stop = threading.Event()
+        self._fresh = threading.Event()
+        self._thread = threading.Thread(target=self._poll, args=(poll_s,), daemon=True, name="kvmesh-registry")
+        self._thread.start()
+
+    def _poll(self, poll_s: float) -> None:
+        reachable = True
+        while True:
+            try:
+                self._refresh()
+                if not reachable:
+                    logger.info("worker registry reachable again")
+                reachable = True
+            except Exception as exc:
+                if reachable:
+                    logger.warning("worker registry unreachable (%r); keeping the last view", exc)
+                reachable = False
+            if self._stop.wait(poll_s):
+                return
+
+    def _refresh(self) -> None:
+        gcs = internal_kv_get_gcs_client()
+        keys = gcs.internal_kv_keys(self._prefix, _NAMESPACE, timeout=_GCS_TIMEOUT_S)
+        entries = gcs.internal_kv_multi_get(keys, _NAMESPACE, timeout=_GCS_TIMEOUT_S) if keys else {}
+        now = time.time()
+        workers: dict[str, str] = {}
+        expired: list[bytes] = []
+        for key, value in entries.items():
+            entry = json.loads(value)
+            if now - entry["t"] <= self._ttl_s:
+                workers[key[len(self._prefix):].decode()] = entry["role"]
+            else:
+                expired.append(key)
+        self._workers = workers
+        self._fresh.set()
+        # A heartbeat landing between the read and this delete is lost with the key; the
+        # worker's next one (ttl_s / 4 later) writes it again.
+        for key in expired:
+            logger.info("worker %s missed its heartbeats for %.0f s; removing it from the registry",
+                        key[len(self._prefix):].decode(), self._ttl_s)
+            gcs.internal_kv_del(key, False, _NAMESPACE, timeout=_GCS_TIMEOUT_S)
 
     def addresses(self) -> list[str]:
         return list(self._workers)
@@ -137,4 +148,6 @@ class RayActorRegistry:
         self._fresh.wait(timeout_s)
 
     def close(self) -> None:
+        """Stop the polling thread (returns once it has stopped)."""
         self._stop.set()
+        self._thread.join()

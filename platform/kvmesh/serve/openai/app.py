@@ -5,12 +5,15 @@ the OpenAI-shaped error handlers (bad bodies become a 400 naming the field) and,
 FastAPI's own 404 / 405 / body errors and unexpected exceptions included; request
 limits (body size, prompt size, batch size) are `limits.HTTPLimits`. The routes are module-level
 functions that find the backend through `app.state`, so one app object can be built
-before its backend exists (the Ray replica's case). `serve_http_in_thread` runs an app
-with uvicorn on its own thread, for the local launcher and the router process.
+before its backend exists (the Ray replica's case). `start_http` runs an app with uvicorn
+on the running event loop (the router's: `kvmesh serve`, Ray or local, and `kvmesh
+router`); `serve_http_in_thread` on a thread of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import re
@@ -29,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.rpc.auth import ApiKeys
 from kvmesh.serve.openai import chat, completions
-from kvmesh.serve.openai.backend import CLIENT_AUTHORIZATION, GrpcBackend
+from kvmesh.serve.openai.backend import CLIENT_AUTHORIZATION, Backend
 from kvmesh.serve.openai.generation import BackendSource
 from kvmesh.serve.openai.limits import BodySizeLimit, HTTPLimits, body_too_large_cause, too_large
 from kvmesh.serve.openai.protocol import APIError
@@ -38,7 +41,7 @@ MetricsRenderer = Callable[[], tuple[bytes, str]]
 logger = logging.getLogger(__name__)
 
 
-def create_app(get_backend: Callable[[], GrpcBackend | None], metrics: MetricsRenderer | None = None,
+def create_app(get_backend: Callable[[], Backend | None], metrics: MetricsRenderer | None = None,
                title: str = "kvmesh", limits: HTTPLimits | None = None) -> FastAPI:
     """The OpenAI-compatible app. `get_backend` is called per request (the Ray replica
     sets its backend after the app object is built); `metrics` renders /metrics."""
@@ -137,23 +140,66 @@ async def models(request: Request):
         for m in resp.models]}
 
 
-def serve_http_in_thread(app: FastAPI, host: str, port: int, ssl_certfile: str | None = None,
-                         ssl_keyfile: str | None = None, ssl_ca_certs: str | None = None,
-                         reuse_port: bool = False) -> uvicorn.Server:
-    """Run `app` with uvicorn on its own thread and loop (leaves the caller's signal
-    handling alone). Returns the uvicorn Server; set `server.should_exit = True` to stop.
-    With `ssl_certfile` / `ssl_keyfile` it serves HTTPS (and, with `ssl_ca_certs`,
-    requires client certificates signed by that CA). `reuse_port` binds with
-    SO_REUSEPORT, so several processes of one host (router replicas, an old replica
-    still draining next to its successor) share the port and the kernel spreads the
-    connections over them."""
+class HTTPServer(uvicorn.Server):
+    """uvicorn on the event loop it is started from (`start_http`), leaving the process's
+    signal handling to its owner; `stop()` ends it."""
+
+    task: asyncio.Task | None = None
+    port: int = 0  # the bound port (the one asked for, or the kernel's pick for 0)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    async def stop(self) -> None:
+        self.should_exit = True
+        if self.task is not None:
+            await self.task
+
+
+def _server(server_cls: type[uvicorn.Server], app: FastAPI, host: str, port: int, ssl_certfile: str | None,
+            ssl_keyfile: str | None, ssl_ca_certs: str | None):
     tls = {}
     if ssl_certfile:
         tls = {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile}
         if ssl_ca_certs:
             tls.update(ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **tls))
-    sockets = [_reuse_port_socket(host, port)] if reuse_port else None
+    return server_cls(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **tls))
+
+
+async def start_http(app: FastAPI, host: str, port: int, ssl_certfile: str | None = None,
+                     ssl_keyfile: str | None = None, ssl_ca_certs: str | None = None,
+                     reuse_port: bool = False) -> HTTPServer:
+    """Serve `app` with uvicorn on the running event loop, the router's: the HTTP routes
+    then reach the router's servicer in-process (serve/openai/backend.py InProcessBackend),
+    with no thread hop, GIL hand-off or loopback socket per streamed message. Returns once
+    it listens. TLS and `reuse_port` as in `serve_http_in_thread`."""
+    server = _server(HTTPServer, app, host, port, ssl_certfile, ssl_keyfile, ssl_ca_certs)
+    # Bound here, not by uvicorn, whose bind failure is a sys.exit that would end the loop.
+    sock = _listen_socket(host, port, reuse_port)
+    server.port = sock.getsockname()[1]
+    server.task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="kvmesh-http")
+    while not server.started:
+        if server.task.done():
+            exc = server.task.exception() if not server.task.cancelled() else None
+            raise OSError(f"the HTTP server did not start on {host}:{port}; is the port free? ({exc!r})")
+        await asyncio.sleep(0.02)
+    return server
+
+
+def serve_http_in_thread(app: FastAPI, host: str, port: int, ssl_certfile: str | None = None,
+                         ssl_keyfile: str | None = None, ssl_ca_certs: str | None = None,
+                         reuse_port: bool = False) -> uvicorn.Server:
+    """Run `app` with uvicorn on its own thread and loop (leaves the caller's signal
+    handling alone), for a backend that does not need the router's loop (GrpcBackend).
+    Returns the uvicorn Server; set `server.should_exit = True` to stop.
+    With `ssl_certfile` / `ssl_keyfile` it serves HTTPS (and, with `ssl_ca_certs`,
+    requires client certificates signed by that CA). `reuse_port` binds with
+    SO_REUSEPORT, so several processes of one host (router replicas, an old replica
+    still draining next to its successor) share the port and the kernel spreads the
+    connections over them."""
+    server = _server(uvicorn.Server, app, host, port, ssl_certfile, ssl_keyfile, ssl_ca_certs)
+    sockets = [_listen_socket(host, port, reuse_port=True)] if reuse_port else None
     thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True, name="kvmesh-http")
     thread.start()
     deadline = time.monotonic() + 30
@@ -164,11 +210,12 @@ def serve_http_in_thread(app: FastAPI, host: str, port: int, ssl_certfile: str |
     return server
 
 
-def _reuse_port_socket(host: str, port: int) -> socket.socket:
+def _listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

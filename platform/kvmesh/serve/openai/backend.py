@@ -1,15 +1,21 @@
-"""The HTTP layer's client of the router: `GrpcBackend` holds a loopback gRPC channel to
-the public `kvmesh.v1.LLM` service plus the tokenizer (for the chat template and for
-rendering logprob tokens). The HTTP path therefore gets exactly the routing, P/D and
-retries of the gRPC path. It sends the API key the router checks, and opens a
-`kvmesh.http.generate` span whose context the router continues, so one trace runs from
-HTTP to the workers when tracing is on. The channel is created lazily, on the event loop
-that serves HTTP.
+"""The HTTP layer's client of the router: the public `kvmesh.v1.LLM` service plus the
+tokenizer (for the chat template and for rendering logprob tokens). The HTTP path
+therefore gets exactly the routing, P/D and retries of the gRPC path. A backend sends the
+API key the router checks, and opens a `kvmesh.http.generate` span whose context the
+router continues, so one trace runs from HTTP to the workers when tracing is on.
+
+Two ways to reach the router, one interface (`Backend`):
+- `InProcessBackend` awaits the router's servicer directly on the router's event loop
+  (kvmesh.rpc.inprocess): the HTTP server of `kvmesh serve` and `kvmesh router`, which
+  runs on that loop. No loopback socket, no (de)serialisation per streamed message.
+- `GrpcBackend` holds a loopback gRPC channel to the router (created lazily, on the event
+  loop that serves HTTP): for an HTTP server on another loop, such as Ray Serve's proxy
+  (http_ingress 'ray_proxy').
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 
 import grpc
@@ -18,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
 from kvmesh.rpc import CHANNEL_OPTIONS
 from kvmesh.rpc.auth import ApiKeys, bearer_metadata
+from kvmesh.rpc.inprocess import InProcessContext, unary_stream, unary_unary
 from kvmesh.serve.openai.protocol import APIError, ChatMessage
 from kvmesh.telemetry import tracing
 
@@ -26,25 +33,16 @@ from kvmesh.telemetry import tracing
 CLIENT_AUTHORIZATION: ContextVar[str | None] = ContextVar("kvmesh_client_authorization", default=None)
 
 
-class GrpcBackend:
-    """The router's gRPC API plus the tokenizer's chat template."""
+class Backend:
+    """What the HTTP routes need of the router (subclasses say how they reach it): the
+    tokenizer's chat template, generation, the model list and health."""
 
-    def __init__(self, address: str, tokenizer, model_id: str, timeout_s: float = 600.0):
-        self.address = address
+    def __init__(self, tokenizer, model_id: str, timeout_s: float = 600.0):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.timeout_s = timeout_s
-        self._stub: llm_pb2_grpc.LLMStub | None = None
-        self._channel: grpc.aio.Channel | None = None
         self._max_model_len = 0
         self.metadata = bearer_metadata(ApiKeys.from_env().service_key)  # the router checks the same keys
-
-    @property
-    def stub(self) -> llm_pb2_grpc.LLMStub:
-        if self._stub is None:  # created on the serving event loop
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-            self._stub = llm_pb2_grpc.LLMStub(self._channel)
-        return self._stub
 
     def chat_prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of the chat under the template (blocking: call it off the event loop)."""
@@ -59,30 +57,33 @@ class GrpcBackend:
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def list_models(self) -> llm_pb2.ListModelsResponse:
-        return await self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=10, metadata=self.metadata)
+    def _call_metadata(self, span) -> tuple[tuple[str, str], ...]:
+        """The HTTP caller's API key (else the service key) and the trace context of `span`."""
+        client = CLIENT_AUTHORIZATION.get()
+        auth = (("authorization", client),) if client else self.metadata
+        return (*auth, *(tracing.grpc_metadata(span) or ()))
 
     def generate(self, request: llm_pb2.GenerateRequest) -> AsyncIterator[llm_pb2.GenerateResponse]:
         """Stream from the router, in a `kvmesh.http.generate` span whose context the
-        router continues (one trace from HTTP to the workers, when tracing is on)."""
+        router continues (one trace from HTTP to the workers, when tracing is on). Errors
+        arrive as `grpc.aio.AioRpcError`, whichever way the router is reached."""
         return self._generate(request)
 
     async def _generate(self, request: llm_pb2.GenerateRequest) -> AsyncIterator[llm_pb2.GenerateResponse]:
         with tracing.span("kvmesh.http.generate") as s:
-            client = CLIENT_AUTHORIZATION.get()
-            auth = (("authorization", client),) if client else self.metadata
-            metadata = (*auth, *(tracing.grpc_metadata(s) or ())) or None
-            async for msg in self.stub.Generate(request, timeout=self.timeout_s, metadata=metadata):
+            async for msg in self._stream(request, self._call_metadata(s)):
                 yield msg
 
+    def _stream(self, request: llm_pb2.GenerateRequest,
+                metadata: tuple[tuple[str, str], ...]) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        raise NotImplementedError
+
+    async def list_models(self) -> llm_pb2.ListModelsResponse:
+        raise NotImplementedError
+
     async def healthy(self) -> bool:
-        """The router's gRPC health: SERVING only while at least one worker is healthy."""
-        self.stub  # noqa: B018 - creates the channel on this loop
-        try:
-            resp = await health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        except grpc.aio.AioRpcError:
-            return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
+        """SERVING only while at least one worker is healthy (the router's gRPC health)."""
+        raise NotImplementedError
 
     async def max_model_len(self) -> int:
         """The served model's context length (0 while no worker has reported it)."""
@@ -93,6 +94,60 @@ class GrpcBackend:
                 return 0
             self._max_model_len = min((m.max_model_len for m in models), default=0)
         return self._max_model_len
+
+    async def close(self) -> None:
+        pass
+
+
+class InProcessBackend(Backend):
+    """The router's servicer, awaited on the router's own event loop (kvmesh.rpc.inprocess):
+    the HTTP server must run on that loop. `serving()` is the router's health."""
+
+    def __init__(self, servicer, serving: Callable[[], bool], tokenizer, model_id: str, timeout_s: float = 600.0):
+        super().__init__(tokenizer, model_id, timeout_s)
+        self.servicer = servicer
+        self.serving = serving
+
+    def _stream(self, request, metadata):
+        return unary_stream(self.servicer.Generate, request, InProcessContext(metadata, self.timeout_s))
+
+    async def list_models(self) -> llm_pb2.ListModelsResponse:
+        return await unary_unary(self.servicer.ListModels, llm_pb2.ListModelsRequest(),
+                                 InProcessContext(self.metadata, 10))
+
+    async def healthy(self) -> bool:
+        return self.serving()
+
+
+class GrpcBackend(Backend):
+    """The router over a loopback gRPC channel (for an HTTP server on another event loop)."""
+
+    def __init__(self, address: str, tokenizer, model_id: str, timeout_s: float = 600.0):
+        super().__init__(tokenizer, model_id, timeout_s)
+        self.address = address
+        self._stub: llm_pb2_grpc.LLMStub | None = None
+        self._channel: grpc.aio.Channel | None = None
+
+    @property
+    def stub(self) -> llm_pb2_grpc.LLMStub:
+        if self._stub is None:  # created on the serving event loop
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._stub = llm_pb2_grpc.LLMStub(self._channel)
+        return self._stub
+
+    async def list_models(self) -> llm_pb2.ListModelsResponse:
+        return await self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=10, metadata=self.metadata)
+
+    def _stream(self, request, metadata):
+        return self.stub.Generate(request, timeout=self.timeout_s, metadata=metadata or None)
+
+    async def healthy(self) -> bool:
+        self.stub  # noqa: B018 - creates the channel on this loop
+        try:
+            resp = await health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.aio.AioRpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
         if self._channel is not None:

@@ -26,7 +26,7 @@ from fastapi import Request
 from kvmesh._proto import llm_pb2
 from kvmesh.compress import OPEN, CompressionOptions, compress_prompt
 from kvmesh.errors import InvalidRequestError
-from kvmesh.serve.openai.backend import GrpcBackend
+from kvmesh.serve.openai.backend import Backend
 from kvmesh.serve.openai.generation import (
     SSE_DONE,
     BackendSource,
@@ -74,7 +74,7 @@ async def chat_completions(body: ChatRequest, request: Request):
                                  preamble=1)
 
 
-async def _complete(b: GrpcBackend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],
+async def _complete(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],
                     original_tokens: int | None) -> dict[str, Any]:
     text, msgs = await collect(b, req)
     last = msgs[-1] if msgs else llm_pb2.GenerateResponse()
@@ -83,7 +83,7 @@ async def _complete(b: GrpcBackend, body: ChatRequest, req: llm_pb2.GenerateRequ
             "usage": usage(last.usage, original_tokens)}
 
 
-async def _events(b: GrpcBackend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],
+async def _events(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],
                   original_tokens: int | None) -> AsyncIterator[str]:
     yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]})
@@ -101,7 +101,7 @@ async def _events(b: GrpcBackend, body: ChatRequest, req: llm_pb2.GenerateReques
     yield SSE_DONE
 
 
-def _logprobs(b: GrpcBackend, body: ChatRequest, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, Any] | None:
+def _logprobs(b: Backend, body: ChatRequest, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, Any] | None:
     """The chat `logprobs` object: per token its text, logprob, bytes and top alternatives."""
     if not body.logprobs:
         return None

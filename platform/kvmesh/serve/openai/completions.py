@@ -22,7 +22,7 @@ import grpc
 from fastapi import Request
 
 from kvmesh._proto import llm_pb2
-from kvmesh.serve.openai.backend import GrpcBackend
+from kvmesh.serve.openai.backend import Backend
 from kvmesh.serve.openai.generation import (
     SSE_DONE,
     BackendSource,
@@ -66,7 +66,7 @@ async def completions(body: CompletionRequest, request: Request):
     return await stream_response(_events(b, body, reqs, head))
 
 
-async def _complete(b: GrpcBackend, body: CompletionRequest, reqs: list[llm_pb2.GenerateRequest],
+async def _complete(b: Backend, body: CompletionRequest, reqs: list[llm_pb2.GenerateRequest],
                     head: dict[str, Any]) -> dict[str, Any]:
     results = await asyncio.gather(*(collect(b, r) for r in reqs))
     choices, usages = [], []
@@ -78,7 +78,7 @@ async def _complete(b: GrpcBackend, body: CompletionRequest, reqs: list[llm_pb2.
     return {**head, "choices": choices, "usage": sum_usage(usages)}
 
 
-async def _events(b: GrpcBackend, body: CompletionRequest, reqs: list[llm_pb2.GenerateRequest],
+async def _events(b: Backend, body: CompletionRequest, reqs: list[llm_pb2.GenerateRequest],
                   head: dict[str, Any]) -> AsyncIterator[str]:
     usages = []
     try:
@@ -94,7 +94,7 @@ async def _events(b: GrpcBackend, body: CompletionRequest, reqs: list[llm_pb2.Ge
     yield SSE_DONE
 
 
-def _logprobs(b: GrpcBackend, body: CompletionRequest, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, Any] | None:
+def _logprobs(b: Backend, body: CompletionRequest, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, Any] | None:
     """The legacy completions `logprobs` object (tokens, token_logprobs, top_logprobs)."""
     if body.logprobs is None:
         return None

@@ -22,17 +22,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvmesh._proto import llm_pb2
 from kvmesh.compress import CompressionOptions, options_from_openai, options_to_proto
 from kvmesh.errors import InvalidRequestError
-from kvmesh.serve.openai.backend import GrpcBackend
+from kvmesh.serve.openai.backend import Backend
 from kvmesh.serve.openai.protocol import HTTP_OF_GRPC, APIError, SamplingFields
 
 
 class BackendSource:
     """The app's backend getter; `require()` is the backend a request is served by."""
 
-    def __init__(self, get_backend: Callable[[], GrpcBackend | None]):
+    def __init__(self, get_backend: Callable[[], Backend | None]):
         self.get = get_backend
 
-    def require(self) -> GrpcBackend:
+    def require(self) -> Backend:
         b = self.get()
         if b is None:
             raise APIError(503, "the server is starting; retry shortly", "service_unavailable")
@@ -43,7 +43,7 @@ class BackendSource:
         return request.app.state.kvmesh_backends
 
 
-def check_model(b: GrpcBackend, model: str | None) -> str:
+def check_model(b: Backend, model: str | None) -> str:
     if model and model != b.model_id:
         raise APIError(404, f"The model `{model}` does not exist; this server serves `{b.model_id}`",
                        "not_found_error", param="model", code="model_not_found")
@@ -74,7 +74,7 @@ def build_request(rid: str, prompt: str | list[int], params: llm_pb2.SamplingPar
     return req
 
 
-async def collect(b: GrpcBackend, req: llm_pb2.GenerateRequest) -> tuple[str, list[llm_pb2.GenerateResponse]]:
+async def collect(b: Backend, req: llm_pb2.GenerateRequest) -> tuple[str, list[llm_pb2.GenerateResponse]]:
     msgs = []
     try:
         async for msg in b.generate(req):
