@@ -3,9 +3,9 @@
 The router process serves the OpenAI HTTP API next to the public gRPC service. Sending
 each HTTP request through a loopback gRPC channel to the router's own servicer cost a
 serialisation, a socket write and read and a deserialisation per streamed message at
-each end, plus gRPC's poller threads waking for them (~7% of the router's samples in a
-py-spy profile of a 16-stream burst, on a 2-core node where every wake-up preempts the
-model's compute threads). `InProcessContext` lets the HTTP layer await the servicer's
+each end, plus gRPC's poller threads waking for them (the client side alone was ~7% of
+the router's py-spy samples in a 16-stream burst, on a 2-core node where every wake-up
+preempts the model's compute threads). `InProcessContext` lets the HTTP layer await the servicer's
 handler directly on the router's event loop instead; it implements the part of
 `grpc.aio.ServicerContext` kvmesh's servicers use, so they run unchanged:
 
