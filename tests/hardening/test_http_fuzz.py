@@ -17,7 +17,8 @@ from fake_backend import MAX_MODEL_LEN, FakeBackend
 from hypothesis import HealthCheck, settings
 from starlette.testclient import TestClient
 
-from kvmesh.serve.openai import create_app, serve_http_in_thread
+from kvmesh.serve.loop import LoopThread
+from kvmesh.serve.openai import create_app, serve_http_in_thread, start_http
 from kvmesh.serve.openai.limits import HTTPLimits
 
 BACKEND = FakeBackend()
@@ -136,6 +137,40 @@ def test_non_streaming_request_is_cancelled_when_the_client_disconnects():
         assert slow.cancelled == 1  # the stream behind the dropped request was closed early
     finally:
         server.should_exit = True
+
+
+def test_loop_server_stop_drains_then_cancels_streams_in_flight():
+    """`start_http` (the router's own HTTP server): stop() returns within its drain bound
+    while a stream is still running, and the stream behind it is closed."""
+    slow = FakeBackend(tokens_per_request=10_000, token_delay_s=0.01)
+    loop = LoopThread("http-stop-test")
+    try:
+        http = loop.run(start_http(create_app(lambda: slow), "127.0.0.1", 0, drain_s=0.5))
+        body = {"prompt": "hi", "max_tokens": 10_000, "stream": True}
+        got_first = threading.Event()
+
+        def stream() -> None:
+            try:
+                with httpx.stream("POST", f"http://127.0.0.1:{http.port}/v1/completions", json=body,
+                                  timeout=30) as r:
+                    for _ in r.iter_lines():
+                        got_first.set()
+            except httpx.HTTPError:
+                pass  # the server ends the stream
+
+        client = threading.Thread(target=stream, daemon=True)
+        client.start()
+        assert got_first.wait(10)
+        t0 = time.monotonic()
+        loop.run(http.stop(), timeout_s=20)
+        assert time.monotonic() - t0 < 5
+        deadline = time.monotonic() + 10
+        while slow.cancelled == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert slow.cancelled == 1
+        client.join(10)
+    finally:
+        loop.stop()
 
 
 class _GatedBackend(FakeBackend):

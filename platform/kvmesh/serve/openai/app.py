@@ -142,7 +142,9 @@ async def models(request: Request):
 
 class HTTPServer(uvicorn.Server):
     """uvicorn on the event loop it is started from (`start_http`), leaving the process's
-    signal handling to its owner; `stop()` ends it."""
+    signal handling to its owner; `stop()` ends it: it stops accepting, lets requests in
+    flight finish for up to `drain_s`, then cancels the rest (which closes their router
+    streams, so the workers free their blocks)."""
 
     task: asyncio.Task | None = None
     port: int = 0  # the bound port (the one asked for, or the kernel's pick for 0)
@@ -158,23 +160,25 @@ class HTTPServer(uvicorn.Server):
 
 
 def _server(server_cls: type[uvicorn.Server], app: FastAPI, host: str, port: int, ssl_certfile: str | None,
-            ssl_keyfile: str | None, ssl_ca_certs: str | None):
+            ssl_keyfile: str | None, ssl_ca_certs: str | None, **options):
     tls = {}
     if ssl_certfile:
         tls = {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile}
         if ssl_ca_certs:
             tls.update(ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
-    return server_cls(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **tls))
+    return server_cls(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **tls,
+                                     **options))
 
 
 async def start_http(app: FastAPI, host: str, port: int, ssl_certfile: str | None = None,
                      ssl_keyfile: str | None = None, ssl_ca_certs: str | None = None,
-                     reuse_port: bool = False) -> HTTPServer:
+                     reuse_port: bool = False, drain_s: float = 10.0) -> HTTPServer:
     """Serve `app` with uvicorn on the running event loop, the router's: the HTTP routes
     then reach the router's servicer in-process (serve/openai/backend.py InProcessBackend),
     with no thread hop, GIL hand-off or loopback socket per streamed message. Returns once
-    it listens. TLS and `reuse_port` as in `serve_http_in_thread`."""
-    server = _server(HTTPServer, app, host, port, ssl_certfile, ssl_keyfile, ssl_ca_certs)
+    it listens. TLS and `reuse_port` as in `serve_http_in_thread`; `drain_s` bounds `stop()`."""
+    server = _server(HTTPServer, app, host, port, ssl_certfile, ssl_keyfile, ssl_ca_certs,
+                     timeout_graceful_shutdown=drain_s)
     # Bound here, not by uvicorn, whose bind failure is a sys.exit that would end the loop.
     sock = _listen_socket(host, port, reuse_port)
     server.port = sock.getsockname()[1]
