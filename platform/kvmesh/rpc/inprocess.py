@@ -60,12 +60,6 @@ class InProcessContext:
             self._trailing = tuple(trailing_metadata)
         raise grpc.aio.AbortError()
 
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def set_details(self, details: str) -> None:
-        self._details = details
-
     def code(self) -> grpc.StatusCode | None:
         return self._code
 
@@ -74,12 +68,6 @@ class InProcessContext:
 
     def set_trailing_metadata(self, metadata: Sequence[tuple[str, Any]]) -> None:
         self._trailing = tuple(metadata)
-
-    def trailing_metadata(self) -> tuple[tuple[str, Any], ...]:
-        return self._trailing
-
-    def peer(self) -> str:
-        return "inprocess"
 
     def rpc_error(self) -> grpc.aio.AioRpcError:
         """What a gRPC client would have received for the recorded status."""
