@@ -4,8 +4,11 @@ fleet simulator's prediction for the same setup.
 
 * **Workload**: a session sample of ../shared/traces/mooncake_conversation.jsonl (every
   request whose second prefix block id falls in 1 of `--session-every` buckets: whole
-  conversations are kept, so their turns still share prefixes), its arrival times
-  compressed `--time-scale` times, cut to `--num-requests`. Each trace block id (512
+  conversations are kept, so their turns still share prefixes), cut to `--num-requests`,
+  its arrival times compressed by the factor at which the fleet is `--utilization` busy
+  (the simulated round-robin fleet's step seconds per worker-second, from this machine's
+  calibrated step times: a faster CPU is offered more requests per second, not a lighter
+  load; `--time-scale` fixes the factor instead). Each trace block id (512
   tokens in the trace) becomes one kvmesh block of `--block-size` pseudo-random token ids
   (kvmesh.sim.trace.block_tokens), so equal id chains are equal token prefixes and the
   workers' prefix caches see exactly the trace's sharing; prompt and output lengths are
@@ -52,7 +55,7 @@ from kvmesh.sim.fleet import FleetConfig
 from kvmesh.sim.profile import load_profile
 from kvmesh.sim.trace import TRACE_BLOCK_SIZE, TraceRequest, block_tokens, load_trace
 
-from _common import check_idle, loadavg, md_table, write_results
+from _common import check_idle, loadavg, md_table, wait_for_idle, write_results
 from _loadgen import Request, run_load, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,8 +83,9 @@ class Item:
 
 
 def workload(args, vocab: int) -> list[Item]:
-    """The scaled, session-sampled trace slice (see the module docstring)."""
-    raw = load_trace(args.trace, args.start_s, args.duration_s, args.time_scale)
+    """The scaled, session-sampled trace slice (see the module docstring), at the trace's
+    own rate (`retime` compresses it)."""
+    raw = load_trace(args.trace, args.start_s, args.duration_s)
     scale = args.block_size / TRACE_BLOCK_SIZE
     items: list[Item] = []
     for r in raw:
@@ -104,6 +108,28 @@ def workload(args, vocab: int) -> list[Item]:
                  i.prompt_ids) for i in items]
 
 
+def retime(items: list[Item], time_scale: float) -> list[Item]:
+    """The same requests, arriving `time_scale` times faster."""
+    return [Item(TraceRequest(i.sim.arrival_s / time_scale, i.sim.input_length, i.sim.output_length, i.sim.hash_ids),
+                 i.prompt_ids) for i in items]
+
+
+def fit_time_scale(args, profile_path: str, items: list[Item], rounds: int = 6) -> tuple[float, float]:
+    """(time scale, simulated utilization): the scale at which the simulated round-robin
+    fleet's workers spend `--utilization` of the arrival span in steps (their busy seconds
+    over workers x span). The work barely changes with the scale and the span shrinks with
+    it, so utilization ~ scale; a few fixed-point rounds settle the batching effects."""
+    scale, util = 36.0, 0.0  # a starting guess (2 one-thread workers of a 135M model)
+    for _ in range(rounds):
+        s = run_sim(args, profile_path, retime(items, scale), "round_robin")
+        busy_s = sum(w["busy_fraction"] for w in s["workers"]) * s["makespan_s"]
+        util = busy_s / (len(s["workers"]) * max(s["duration_s"], 1e-3))
+        if abs(util - args.utilization) <= 0.01 * args.utilization:
+            break
+        scale *= args.utilization / max(util, 1e-3)
+    return scale, util
+
+
 def tiny_model() -> Path:
     """The tests' tiny random Llama (tests/tiny_models.py), long enough for the scaled prompts."""
     spec = importlib.util.spec_from_file_location("kvmesh_tiny_models", ROOT / "tests" / "tiny_models.py")
@@ -119,11 +145,27 @@ def engine_flags(args, model: str | None) -> list[str]:
 
 
 def calibrate(args, model: str | None, out: Path) -> Path:
-    """`kvmesh sim calibrate` of the workers' engine (same model, threads, block size)."""
+    """`kvmesh sim calibrate` of the workers' engine (same model, threads, block size), one
+    calibration per worker run at once: the workers share this machine's cores, memory
+    bandwidth and cache, so a step of one runs slower beside the others than alone. The
+    profile is their mean."""
     lengths = ",".join(str(n) for n in (16, 64, 256, min(512, args.max_prompt_tokens)))
-    subprocess.run([sys.executable, "-m", "kvmesh.cli", "sim", "calibrate", "--out", str(out), "--name",
-                    "fleet_real-local", "--prompt-lengths", lengths, "--batch-sizes", "1,4,8", "--decode-steps", "8",
-                    *engine_flags(args, model)], check=True, stdout=subprocess.DEVNULL)
+    n = args.workers if args.calibrate_together else 1
+    outs = [out.with_name(f"{out.stem}-{i}.json") for i in range(n)]
+    procs = [subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "sim", "calibrate", "--out", str(o), "--name",
+                               "fleet_real-local", "--prompt-lengths", lengths, "--batch-sizes", "1,4,8",
+                               "--decode-steps", "8", *engine_flags(args, model)], stdout=subprocess.DEVNULL)
+             for o in outs]
+    if any(p.wait() != 0 for p in procs):
+        raise SystemExit("kvmesh sim calibrate failed")
+    profiles = [json.loads(o.read_text()) for o in outs]
+    merged = dict(profiles[0])
+    for key, value in merged.items():
+        if isinstance(value, float):
+            merged[key] = sum(p[key] for p in profiles) / n
+    if n > 1:
+        merged["description"] += f", {n} engines calibrated at once (the mean)"
+    out.write_text(json.dumps(merged, indent=2))
     return out
 
 
@@ -183,6 +225,9 @@ def markdown(report: dict) -> str:
              f"- {report['requests']} requests, {c['workers']} workers x {c['num_blocks']} KV blocks of "
              f"{c['block_size']} tokens, model {c['model']}, {c['threads']} thread(s) per worker",
              f"- step profile: {report['profile']['name']} ({report['profile']['description']})",
+             f"- arrivals {c['time_scale']:.1f}x the trace's rate over {report['workload']['span_s']:.0f} s"
+             + (f": the scale at which the simulated round-robin fleet is {c['utilization']:.0%} busy"
+                if report["workload"].get("sim_rr_utilization") is not None else " (fixed by --time-scale)"),
              f"- load at start {report['loadavg_start']}, end {report['loadavg_end']}", ""]
     rows = []
     for name, r in report["policies"].items():
@@ -194,6 +239,10 @@ def markdown(report: dict) -> str:
                      f"{sim['cache_hit_rate']:.1%}", f"{real['slo_attainment']:.1%}", f"{sim['slo_attainment']:.1%}"])
     lines += md_table(["policy", "done", "TTFT p50 s real", "sim", "sim err", "TTFT p99 s real", "TPOT p50 ms real",
                        "sim", "sim hit rate", "SLO met real", "sim"], rows, "lrrrrrrrrrr")
+    lines += ["", "Real TTFT p50 of each run (s): " + "; ".join(
+        f"{n} {', '.join(f'{x:.3f}' for x in r['real_ttft_p50_runs_s'])}" for n, r in report["policies"].items())
+        + f" (the median run is in the table; {report['config']['repeats']} runs per policy, alternating); "
+        + "failed requests over all runs: " + ", ".join(f"{n} {r['real_failed']}" for n, r in report["policies"].items())]
     v = report["verdicts"]
     lines += ["", f"- median TTFT round robin / prefix-aware: real {v['ttft_ratio_real']:.2f}x, simulated "
               f"{v['ttft_ratio_sim']:.2f}x (target >= 1.5x real: {'met' if v['ttft_ratio_real'] >= 1.5 else 'MISSED'})",
@@ -227,6 +276,8 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny model, 20 requests: checks the pipeline only")
     p.add_argument("--profile", default=None, help="`kvmesh sim calibrate` JSON (default: calibrate here first)")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--calibrate-together", action=argparse.BooleanOptionalAction, default=True,
+                   help="calibrate one engine per worker at once, as they will share the machine")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block = per trace block id")
     p.add_argument("--num-blocks", type=int, default=160, help="KV blocks per worker (small: caches must evict)")
@@ -235,13 +286,22 @@ def parse_args(argv=None):
     p.add_argument("--start-s", type=float, default=0.0, help="trace slice start, trace seconds")
     p.add_argument("--duration-s", type=float, default=3600.0, help="trace slice length, trace seconds")
     p.add_argument("--session-every", type=int, default=100, help="keep 1 conversation in this many")
-    p.add_argument("--time-scale", type=float, default=36.0, help="arrival-rate multiplier")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="arrival-rate multiplier (default: the one that loads the fleet to --utilization)")
+    p.add_argument("--utilization", type=float, default=0.8,
+                   help="offered load: the simulated round-robin fleet's step seconds per worker-second of the "
+                   "arrival span; sets the "
+                   "time scale from this machine's calibrated step times, so a faster CPU is offered more requests "
+                   "per second, not a lighter load")
     p.add_argument("--num-requests", type=int, default=110)
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer (scaled) prompts are left out")
     p.add_argument("--max-output-tokens", type=int, default=24)
     p.add_argument("--ttft-slo", type=float, default=1.0)
     p.add_argument("--tpot-slo", type=float, default=0.1)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="real runs per policy (alternating policies); the run with the median TTFT p50 is reported")
+    p.add_argument("--wait-idle", type=float, default=0, help="wait up to this many seconds for idle cores first")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     if args.smoke:
@@ -251,29 +311,48 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.wait_idle:
+        print(f"waited {wait_for_idle(args.wait_idle):.0f} s for idle cores", flush=True)
     load_start = loadavg()
     idle = check_idle(args.threads * args.workers, load_start[0])
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     model = args.model or (str(tiny_model()) if args.smoke else None)
     vocab = load_arch_config(resolve_model_path(model, progress=False)).vocab_size
-    items = workload(args, vocab)
+    trace_items = workload(args, vocab)
     t0 = time.perf_counter()
     profile_path = args.profile or str(calibrate(args, model, Path(tempfile.mkdtemp()) / "profile.json"))
+    sim_busy = None
+    if args.time_scale is None:
+        args.time_scale, sim_busy = fit_time_scale(args, profile_path, trace_items)
+    items = retime(trace_items, args.time_scale)
     report: dict = {"date": dt.datetime.now().isoformat(timespec="seconds"), "loadavg_start": load_start,
                     "idle_at_start": idle, "requests": len(items),
                     "config": {**vars(args), "model": model or "embedded SmolLM2-135M"},
                     "profile": json.loads(Path(profile_path).read_text()),
                     "workload": {"prompt_tokens_mean": sum(i.sim.input_length for i in items) / len(items),
                                  "output_tokens_mean": sum(i.sim.output_length for i in items) / len(items),
-                                 "span_s": items[-1].sim.arrival_s},
+                                 "span_s": items[-1].sim.arrival_s, "time_scale": args.time_scale,
+                                 "sim_rr_utilization": sim_busy},
                     "policies": {}}
-    print(f"{len(items)} requests over {items[-1].sim.arrival_s:.0f} s; profile {profile_path}", flush=True)
-    for name, (picker, sim_policy) in POLICIES.items():
-        real = run_real(args, model, items, picker)
+    print(f"{len(items)} requests over {items[-1].sim.arrival_s:.0f} s (time scale {args.time_scale:.1f}"
+          + (f", simulated round-robin utilization {sim_busy:.2f}" if sim_busy is not None else "")
+          + f"); profile {profile_path}", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in POLICIES}
+    for rep in range(args.repeats):
+        order = list(POLICIES) if rep % 2 == 0 else list(reversed(POLICIES))  # neither always runs first
+        for name in order:
+            real = run_real(args, model, items, POLICIES[name][0])
+            runs[name].append(real)
+            print(f"{name:>13} run {rep + 1}/{args.repeats}: real TTFT p50 {real['ttft_p50_s']:.3f}s "
+                  f"({real['failed']} failed)", flush=True)
+    for name, (_, sim_policy) in POLICIES.items():
         sim = run_sim(args, profile_path, items, sim_policy)
         sim.pop("workers", None)
-        report["policies"][name] = {"real": real, "sim": sim}
-        print(f"{name:>13}: real TTFT p50 {real['ttft_p50_s']:.3f}s ({real['failed']} failed), "
+        ordered = sorted(runs[name], key=lambda r: r["ttft_p50_s"])
+        report["policies"][name] = {"real": ordered[(len(ordered) - 1) // 2], "sim": sim,
+                                    "real_ttft_p50_runs_s": [r["ttft_p50_s"] for r in runs[name]],
+                                    "real_failed": sum(r["failed"] for r in runs[name])}
+        print(f"{name:>13}: real TTFT p50 (median run) {report['policies'][name]['real']['ttft_p50_s']:.3f}s, "
               f"sim {sim['ttft_s']['p50']:.3f}s, sim hit {sim['cache_hit_rate']:.1%}", flush=True)
     report["loadavg_end"] = loadavg()
     report["wall_s"] = time.perf_counter() - t0
