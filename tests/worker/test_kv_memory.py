@@ -1,16 +1,19 @@
-"""The CPU KV cache's memory: zero-filled as the attention kernels assume (padded reads of
-the null block must be finite), without writing it up front (lazily mapped zero pages), so
-a worker's cold start does not pay a memset of its whole cache budget."""
+"""The CPU KV cache's memory (worker/kv_memory.py): zero-filled as the attention kernels
+assume (padded reads of the null block must be finite) without a memset at start, then
+populated in the background without changing what the engine already wrote."""
 
 import mmap
+import platform
 import resource
 
 import pytest
 import torch
 
-from kvmesh.build import build_engine
-from kvmesh.worker.model_runner import zeroed_tensor
 from kvmesh import SamplingParams
+from kvmesh.build import build_engine
+from kvmesh.worker.kv_memory import populate, zeroed_tensor
+
+CPU = torch.device("cpu")
 
 
 def _rss_mib() -> float:
@@ -18,9 +21,17 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / (1 << 20)
 
 
+def _kernel_populates() -> bool:
+    """MADV_POPULATE_WRITE exists from Linux 5.14."""
+    if platform.system() != "Linux":
+        return False
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    return (major, minor) >= (5, 14)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zeroed_tensor_is_zero_writable_and_page_aligned(dtype):
-    t = zeroed_tensor((64, 16, 2, 64), dtype, torch.device("cpu"))
+    t = zeroed_tensor((64, 16, 2, 64), dtype, CPU)
     assert t.shape == (64, 16, 2, 64) and t.dtype == dtype and t.is_contiguous()
     assert t.data_ptr() % mmap.PAGESIZE == 0
     assert torch.count_nonzero(t) == 0
@@ -29,22 +40,29 @@ def test_zeroed_tensor_is_zero_writable_and_page_aligned(dtype):
 
 
 def test_zeroed_tensor_small_shape_is_plain_zeros():
-    t = zeroed_tensor((3, 5), torch.float32, torch.device("cpu"))
+    t = zeroed_tensor((3, 5), torch.float32, CPU)
     assert t.shape == (3, 5) and torch.count_nonzero(t) == 0
 
 
-def test_large_cache_is_not_written_up_front():
+def test_allocation_writes_nothing_and_populate_keeps_contents():
     before = _rss_mib()
-    t = zeroed_tensor((1024, 1 << 18), torch.float32, torch.device("cpu"))  # 1 GiB
-    assert _rss_mib() - before < 64, "the cache's pages were touched at allocation"
-    t[0].fill_(2.0)  # first touch maps only what is written
-    assert t[0, -1].item() == 2.0 and t[-1, -1].item() == 0.0
-    assert _rss_mib() - before < 128
+    t = zeroed_tensor((512, 1 << 18), torch.float32, CPU)  # 512 MiB
+    assert _rss_mib() - before < 32, "the pages were written at allocation"
+    t[7].fill_(2.0)  # the engine wrote a block before the populate thread got there
+    t[300, :5] = torch.arange(5.0)
+    populated = populate([t])
+    assert populated == _kernel_populates()
+    if populated:
+        assert _rss_mib() - before > 480, "populate left pages unmapped"
+    assert (t[7] == 2.0).all() and t[300, :5].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert torch.count_nonzero(t) == (1 << 18) + 4
 
 
 def test_engine_cache_starts_zero_and_returns_every_block(model_factory):
     engine = build_engine(model=str(model_factory()), progress=False, num_blocks=64, num_threads=1)
     runner = engine.executor.runner
+    runner.kv_populate.join(30)
+    assert not runner.kv_populate.is_alive()
     assert all(torch.count_nonzero(k) == 0 and torch.count_nonzero(v) == 0 for k, v in runner.kv_caches)
     engine.add_request("r", [5, 6, 7, 8, 9] * 7, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     done = []

@@ -9,8 +9,6 @@ token of sequences that sample this step.
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +19,7 @@ from kvmesh.layers.attention import SeqSpan, get_attention_backend
 from kvmesh.layers.ops import prepack_linears
 from kvmesh.models.arch import ArchConfig
 from kvmesh.worker.cuda_graphs import DecodeGraphs, GraphRecorder
+from kvmesh.worker.kv_memory import populate_in_background, zeroed_tensor
 from kvmesh.worker.sampler import sample
 from kvmesh.worker.spec_decode import verify
 
@@ -43,23 +42,6 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
-def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor for the KV cache. On the CPU it lies in anonymous memory the
-    kernel maps as zero pages when first touched (calloc's promise without the memset),
-    advised into transparent huge pages: `torch.zeros` writes every byte up front, ~1 s
-    per GiB here, which made a worker's cold start (and an autoscaled replica's) wait
-    seconds for cache pages most of which no request has touched yet; huge pages also
-    cut the first touch ~10x and the TLB misses of attention's scattered block reads."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < mmap.PAGESIZE:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere plain zero pages
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    # The tensor holds `buf` (unmapped when the last view of it goes).
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
-
-
 class ModelRunner:
     def __init__(self, model, arch: ArchConfig, block_size: int, num_blocks: int,
                  device: torch.device, seed: int = 0, attention_backend: str = "auto",
@@ -77,8 +59,11 @@ class ModelRunner:
         shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         # One (K, V) pair per layer. Zero-filled so padded reads of the null block are
         # finite (they are masked, but NaN * 0 would still poison the output).
+        # Zero pages mapped now in the background, not written up front (worker/kv_memory.py).
         self.kv_caches = [(zeroed_tensor(shape, self.dtype, device), zeroed_tensor(shape, self.dtype, device))
                           for _ in range(arch.num_layers)]
+        self.kv_populate = populate_in_background([t for kv in self.kv_caches for t in kv]) \
+            if device.type == "cpu" else None
         self.backend = get_attention_backend(attention_backend, block_size, device)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._req_generators: dict[str, torch.Generator] = {}
