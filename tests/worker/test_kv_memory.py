@@ -2,16 +2,18 @@
 assume (padded reads of the null block must be finite) without a memset at start, then
 populated in the background without changing what the engine already wrote."""
 
+import gc
 import mmap
 import platform
 import resource
+import time
 
 import pytest
 import torch
 
 from kvmesh import SamplingParams
 from kvmesh.build import build_engine
-from kvmesh.worker.kv_memory import populate, zeroed_tensor
+from kvmesh.worker.kv_memory import populate, populate_in_background, zeroed_tensor
 
 CPU = torch.device("cpu")
 
@@ -56,6 +58,17 @@ def test_allocation_writes_nothing_and_populate_keeps_contents():
         assert _rss_mib() - before > 480, "populate left pages unmapped"
     assert (t[7] == 2.0).all() and t[300, :5].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert torch.count_nonzero(t) == (1 << 18) + 4
+
+
+def test_background_populate_stops_when_the_cache_is_dropped():
+    t = zeroed_tensor((256, 1 << 18), torch.float32, CPU)  # 256 MiB: 16 chunks
+    thread = populate_in_background([t], duty=0.01)  # ~99x its work asleep: ~10 s if it ran to the end
+    time.sleep(0.2)
+    del t
+    gc.collect()
+    began = time.monotonic()
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - began < 5, "the thread kept a dropped cache alive"
 
 
 def test_engine_cache_starts_zero_and_returns_every_block(model_factory):

@@ -22,6 +22,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -59,22 +60,22 @@ def _madvise():
     return fn
 
 
-def populate(tensors: Iterable[torch.Tensor], duty: float = 1.0) -> bool:
-    """Map every page of these CPU tensors now (MADV_POPULATE_WRITE) without changing
-    their contents, so later writes take no page faults. Safe while the tensors are in
-    use: a page already mapped is left as it is. `duty` < 1 paces it: after each chunk it
-    sleeps so that it runs that fraction of the time. False where the kernel cannot (the
-    pages then stay lazy)."""
+def _spans(tensors: Iterable[torch.Tensor]) -> list[tuple[weakref.ref, int, int]]:
+    """(weak reference, first byte, end) of each CPU tensor: a populate thread must not
+    keep a dropped engine's cache alive."""
+    return [(weakref.ref(t), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+            for t in tensors if t.device.type == "cpu"]
+
+
+def _populate_spans(spans: list[tuple[weakref.ref, int, int]], duty: float) -> bool:
     madvise = _madvise()
     if madvise is None:
         return False
-    for t in tensors:
-        if t.device.type != "cpu":
-            continue
-        start = t.data_ptr()
-        end = start + t.numel() * t.element_size()
+    for ref, start, end in spans:
         start -= start % mmap.PAGESIZE
         for addr in range(start, end, _CHUNK_BYTES):
+            if ref() is None:  # the cache was dropped: its memory is gone (or someone else's)
+                break
             began = time.monotonic()
             # ctypes releases the GIL for the call: the engine's threads run meanwhile.
             if madvise(addr, min(_CHUNK_BYTES, end - addr), _MADV_POPULATE_WRITE) != 0:
@@ -84,6 +85,15 @@ def populate(tensors: Iterable[torch.Tensor], duty: float = 1.0) -> bool:
             if duty < 1.0:
                 time.sleep((time.monotonic() - began) * (1.0 - duty) / max(duty, 1e-3))
     return True
+
+
+def populate(tensors: Iterable[torch.Tensor], duty: float = 1.0) -> bool:
+    """Map every page of these CPU tensors now (MADV_POPULATE_WRITE) without changing
+    their contents, so later writes take no page faults. Safe while the tensors are in
+    use: a page already mapped is left as it is. `duty` < 1 paces it: after each chunk it
+    sleeps so that it runs that fraction of the time. False where the kernel cannot (the
+    pages then stay lazy)."""
+    return _populate_spans(_spans(tensors), duty)
 
 
 def populate_in_background(tensors: list[torch.Tensor], duty: float = BACKGROUND_DUTY) -> threading.Thread:
@@ -96,8 +106,9 @@ def populate_in_background(tensors: list[torch.Tensor], duty: float = BACKGROUND
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
             pass
-        populate(tensors, duty)
+        _populate_spans(spans, duty)
 
+    spans = _spans(tensors)  # the thread holds no strong reference: a dropped cache stops it
     thread = threading.Thread(target=run, name="kvmesh-kv-populate", daemon=True)
     thread.start()
     return thread
