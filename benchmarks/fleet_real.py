@@ -290,9 +290,8 @@ def parse_args(argv=None):
                    help="arrival-rate multiplier (default: the one that loads the fleet to --utilization)")
     p.add_argument("--utilization", type=float, default=0.8,
                    help="offered load: the simulated round-robin fleet's step seconds per worker-second of the "
-                   "arrival span; sets the "
-                   "time scale from this machine's calibrated step times, so a faster CPU is offered more requests "
-                   "per second, not a lighter load")
+                   "arrival span; sets the time scale from this machine's calibrated step times, so a faster CPU "
+                   "is offered more requests per second, not a lighter load")
     p.add_argument("--num-requests", type=int, default=110)
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer (scaled) prompts are left out")
     p.add_argument("--max-output-tokens", type=int, default=24)
@@ -321,9 +320,9 @@ def main(argv=None) -> int:
     trace_items = workload(args, vocab)
     t0 = time.perf_counter()
     profile_path = args.profile or str(calibrate(args, model, Path(tempfile.mkdtemp()) / "profile.json"))
-    sim_busy = None
+    sim_util = None
     if args.time_scale is None:
-        args.time_scale, sim_busy = fit_time_scale(args, profile_path, trace_items)
+        args.time_scale, sim_util = fit_time_scale(args, profile_path, trace_items)
     items = retime(trace_items, args.time_scale)
     report: dict = {"date": dt.datetime.now().isoformat(timespec="seconds"), "loadavg_start": load_start,
                     "idle_at_start": idle, "requests": len(items),
@@ -332,10 +331,10 @@ def main(argv=None) -> int:
                     "workload": {"prompt_tokens_mean": sum(i.sim.input_length for i in items) / len(items),
                                  "output_tokens_mean": sum(i.sim.output_length for i in items) / len(items),
                                  "span_s": items[-1].sim.arrival_s, "time_scale": args.time_scale,
-                                 "sim_rr_utilization": sim_busy},
+                                 "sim_rr_utilization": sim_util},
                     "policies": {}}
     print(f"{len(items)} requests over {items[-1].sim.arrival_s:.0f} s (time scale {args.time_scale:.1f}"
-          + (f", simulated round-robin utilization {sim_busy:.2f}" if sim_busy is not None else "")
+          + (f", simulated round-robin utilization {sim_util:.2f}" if sim_util is not None else "")
           + f"); profile {profile_path}", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in POLICIES}
     for rep in range(args.repeats):
