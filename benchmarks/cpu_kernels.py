@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kvmesh.layers import cpu_kernels
+from kvmesh.layers import native
 
 from _common import check_idle, cpu_model, load_snapshot, md_table, write_results
 
@@ -142,12 +142,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=25)
     p.add_argument("--out-dir", default=None)
     args = p.parse_args()
-    if not cpu_kernels.load():
+    if not native.load():
         raise SystemExit("the kvmesh CPU kernels did not build on this machine")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     check_idle(args.threads)
-    data = {"date": dt.datetime.now().isoformat(timespec="minutes"), "cpu": cpu_model(), "isa": cpu_kernels.isa(),
+    data = {"date": dt.datetime.now().isoformat(timespec="minutes"), "cpu": cpu_model(), "isa": native.isa(),
             "threads": args.threads, "repeats": args.repeats, "load_start": load_snapshot()}
     with tqdm(total=2 * len(ATTN_CASES) + 2, desc="cpu kernels") as bar:
         data["attention"] = bench_attention(args.repeats, bar)

@@ -67,7 +67,7 @@ from tqdm import tqdm
 import kvmesh
 from kvmesh import LLM, SamplingParams
 from kvmesh.checkpoint.embedded import cache_dir, gguf_path
-from kvmesh.layers.ops import NATIVE_BF16
+from kvmesh.layers.native import native_bf16
 
 from _common import RESULTS_DIR, check_idle, cpu_flags, cpu_model, load_snapshot, wait_for_idle, write_results
 from _engine_report import plot, render_markdown, summarize
@@ -151,7 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.b1_prompt, args.b1_tokens = (8, 16) if small else (32, 64)
     args.bandwidth_repeats = 3 if small else 5
     args.prefix = "engine_throughput_smoke" if args.smoke else "engine_throughput"
-    args.bf16 = args.bf16 == "on" or (args.bf16 == "auto" and NATIVE_BF16)
+    args.bf16 = args.bf16 == "on" or (args.bf16 == "auto" and native_bf16())
     return args
 
 

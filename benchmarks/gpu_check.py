@@ -39,7 +39,7 @@ try:
     from kvmesh.layers import triton_ops
     from kvmesh.layers.attention import SeqSpan
     from kvmesh.layers.triton_attention import TritonAttentionBackend
-    from kvmesh.models.rope import apply_rope
+    from kvmesh.layers.rotary import apply_rope
     from kvmesh.quant import triton_gemm
     from kvmesh.quant.primitives import dequantize_int4, dequantize_int8, pack_int4, quantize_int4, quantize_int8
     from kvmesh.worker.gpu_kv_transfer import CupyIpcTransport, device_checksum

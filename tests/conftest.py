@@ -44,15 +44,15 @@ def model_factory(tmp_path_factory):
 @pytest.fixture
 def stack_calls(monkeypatch):
     """Counts the forward passes that ran as one decode_stack call."""
-    from kvmesh.models.llama import LlamaForCausalLM
+    from kvmesh.layers.decode_stack import DecodeStack
 
     calls = []
-    original = LlamaForCausalLM._decode_stack_params
+    original = DecodeStack.step_args
 
     def spy(self, h, meta, backend):
-        params = original(self, h, meta, backend)
-        calls.append(params is not None)
-        return params
+        args = original(self, h, meta, backend)
+        calls.append(args is not None)
+        return args
 
-    monkeypatch.setattr(LlamaForCausalLM, "_decode_stack_params", spy)
+    monkeypatch.setattr(DecodeStack, "step_args", spy)
     return calls

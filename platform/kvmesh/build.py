@@ -81,7 +81,8 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
             f"max_position_embeddings ({arch.max_position_embeddings})"
         )
     max_model_len = mc.max_model_len or limit
-    model, arch = load_model(path, dtype, device, max_model_len + 1, mc.quantization, mc.quantization_group_size)
+    model, arch = load_model(path, dtype, device, max_model_len + 1, mc.quantization, mc.quantization_group_size,
+                             config.kernels)
     spec = KVCacheSpec(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype)
     num_blocks = cc.num_blocks or _auto_num_blocks(config, spec, device)
     capacity = (num_blocks - 1) * cc.block_size
@@ -100,7 +101,7 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     graph_batch = min(config.cuda_graph_max_batch_size, config.scheduler.max_num_seqs) if config.cuda_graphs else 0
     runner = ModelRunner(model, arch, cc.block_size, num_blocks, device, seed=mc.seed,
                          attention_backend=config.attention_backend, cuda_graph_max_batch=graph_batch,
-                         max_model_len=max_model_len)
+                         max_model_len=max_model_len, kernels=config.kernels)
     proposer = None
     if config.speculative is not None:
         proposer = _build_proposer(config, config.speculative, path, model, arch, max_model_len, num_blocks)
@@ -204,13 +205,13 @@ def _build_proposer(config: EngineConfig, spec: SpeculativeConfig, path: Path, m
         draft_path = path if spec.model == "self" else resolve_model_path(spec.model)
         draft, draft_arch = load_model(draft_path, DTYPES[resolve_dtype(mc.dtype, device)], device,
                                        max_model_len + spec.num_speculative_tokens + 1,
-                                       quantization=spec.quantization)
+                                       quantization=spec.quantization, kernels=config.kernels)
         if draft_arch.vocab_size != arch.vocab_size:
             raise ConfigError(
                 f"speculative.model: draft vocab {draft_arch.vocab_size} != target vocab "
                 f"{arch.vocab_size}; a draft must share the target's tokenizer")
     runner = ModelRunner(draft, draft_arch, config.cache.block_size, num_blocks, device,
-                         seed=mc.seed + 1, attention_backend=config.attention_backend)
+                         seed=mc.seed + 1, attention_backend=config.attention_backend, kernels=config.kernels)
     return DraftModelProposer(runner, spec.num_speculative_tokens)
 
 

@@ -125,6 +125,39 @@ class TracingConfig(_Base):
     sample_ratio: float = Field(1.0, ge=0, le=1, description="Fraction of new traces sampled.")
 
 
+class KernelConfig(_Base):
+    """Which implementation each layer runs, chosen once when the model is built (layers/op.py).
+    The defaults pick the fastest path that works on the device; the switches exist to measure
+    a path against another and to rule a kernel out when chasing a wrong answer."""
+
+    cpu_kernels: bool = Field(
+        True, description="Build and use kvmesh's native CPU kernels (layers/csrc: paged attention, fused "
+        "ops, GEMMs, quantized GEMMs, the decode stack). Off: every op runs its PyTorch reference.",
+    )
+    native_isa: Literal["native", "avx2"] = Field(
+        "native", description="Instruction set the native CPU kernels are built for: native (this CPU, "
+        "AVX-512 where present) or avx2 (AVX-512 off, e.g. to measure the AVX2 loops on an AVX-512 CPU). "
+        "One build per process: the first engine to load the kernels decides.",
+    )
+    layer_ops: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="Element-wise layer ops (RMSNorm, RoPE, SiLU-and-mul): auto (native C++ on CPU, "
+        "Triton on CUDA), torch (the PyTorch reference everywhere) or triton (also on CPU under "
+        "TRITON_INTERPRET=1, for tests).",
+    )
+    onednn_linear: bool = Field(
+        True, description="Run CPU GEMMs the native kernels do not take through oneDNN with a prepacked "
+        "weight; off: the weight-split bmm (layers/linear.py split_linear).",
+    )
+    small_gemm: bool = Field(
+        True, description="Decode batches of 8-64 rows of a float32 layer on the native small-batch GEMM "
+        "(layers/csrc/small_gemm.cpp); off: oneDNN.",
+    )
+    quantized_cpu_gemm: bool = Field(
+        True, description="int8 / int4 layers on the native quantized GEMM for decode-sized inputs "
+        "(layers/csrc/quant_gemm.cpp, AVX2); off: dequantize then multiply.",
+    )
+
+
 class EngineConfig(_Base):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -155,6 +188,7 @@ class EngineConfig(_Base):
         64, ge=1, le=512, description="Largest decode batch replayed from a CUDA graph (capped at "
         "max_num_seqs); larger decode batches and steps with prefill chunks run eagerly.",
     )
+    kernels: KernelConfig = Field(default_factory=KernelConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -168,19 +202,16 @@ class EngineConfig(_Base):
         if not overrides:
             return self
         flat = {**self.model.model_dump(), **self.cache.model_dump(), **self.scheduler.model_dump(),
-                **{k: getattr(self, k) for k in type(self).model_fields if k not in ("model", "cache", "scheduler")}}
+                **self.kernels.model_dump(),
+                **{k: getattr(self, k) for k in type(self).model_fields if k not in _SECTIONS}}
         return type(self).from_kwargs(**{**flat, **overrides})
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         """Build from flat keyword arguments (`LLM(model=..., block_size=16, ...)`)."""
-        sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         top: dict[str, Any] = {}
-        owners = {
-            "model": ModelConfig.model_fields,
-            "cache": CacheConfig.model_fields,
-            "scheduler": SchedulerConfig.model_fields,
-        }
+        owners = {name: section.model_fields for name, section in _SECTIONS.items()}
         for key, value in kwargs.items():
             for section, fields in owners.items():
                 if key in fields:
@@ -191,9 +222,9 @@ class EngineConfig(_Base):
                     top[key] = value
                 else:
                     raise ValueError(f"unknown engine option {key!r}")
-        return cls(
-            model=ModelConfig(**sections["model"]),
-            cache=CacheConfig(**sections["cache"]),
-            scheduler=SchedulerConfig(**sections["scheduler"]),
-            **top,
-        )
+        return cls(**{name: section(**sections[name]) for name, section in _SECTIONS.items()}, **top)
+
+
+# EngineConfig's sections whose fields are flat keyword arguments and flags (names unique).
+_SECTIONS: dict[str, type[_Base]] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                                     "kernels": KernelConfig}

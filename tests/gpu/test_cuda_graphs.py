@@ -13,7 +13,6 @@ from helpers import hf_greedy
 
 from kvmesh import SamplingParams
 from kvmesh.build import build_engine
-from kvmesh.layers import triton_ops
 from kvmesh.layers.attention import SeqSpan
 from kvmesh.worker.cuda_graphs import (
     DecodeGraphs,
@@ -98,18 +97,17 @@ def _greedy(engine, prompts, max_new):
 
 @requires_triton
 @pytest.mark.parametrize("fused_ops_and_graphs", [False, True])
-def test_whole_model_on_triton_matches_transformers(device, model_factory, monkeypatch, fused_ops_and_graphs):
+def test_whole_model_on_triton_matches_transformers(device, model_factory, fused_ops_and_graphs):
     from transformers import AutoModelForCausalLM
 
     if device.type != "cpu":
         pytest.skip("the CUDA model check is benchmarks/gpu_check.py")
     torch.set_num_threads(1)
     path = model_factory()
-    if fused_ops_and_graphs:
-        monkeypatch.setattr(triton_ops, "ON_CPU", True)
     # block size 4 and a 7-token budget: prefix blocks, chunked prefill, mixed steps
     engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=96, max_model_len=64,
-                          max_num_batched_tokens=7, attention_backend="triton")
+                          max_num_batched_tokens=7, attention_backend="triton",
+                          layer_ops="triton" if fused_ops_and_graphs else "auto")
     runner = engine.executor.runner
     if fused_ops_and_graphs:
         runner._capture_graphs(4, 64, EagerRecorder())

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from gpu_marks import requires_triton
 
 from kvmesh.layers import triton_ops
-from kvmesh.models.rope import apply_rope
+from kvmesh.layers.rotary import apply_rope
 
 pytestmark = requires_triton
 DTYPES = [torch.float32, torch.bfloat16]
@@ -64,5 +64,10 @@ def test_silu_and_mul(device, dtype, t, i):
     torch.testing.assert_close(out.cpu(), ref, **_tol(dtype))
 
 
-def test_enabled_only_where_asked():
-    assert not triton_ops.enabled(torch.zeros(1))  # CPU tensors keep the C++ / PyTorch ops
+def test_bound_only_where_asked():
+    from kvmesh.config import KernelConfig
+    from kvmesh.layers.norm import RMSNorm
+    from kvmesh.layers.op import OpContext
+
+    assert RMSNorm(8, 1e-6).backend != "triton"  # CPU layers keep the C++ / PyTorch ops unless asked
+    assert RMSNorm(8, 1e-6, OpContext(kernels=KernelConfig(layer_ops="triton"))).backend == "triton"

@@ -19,10 +19,10 @@ from helpers import stack_then_loop
 
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import ConfigError
-from kvmesh.layers import cpu_kernels
+from kvmesh.layers import native
 from kvmesh.llm import LLM
 from kvmesh.models.loader import model_fingerprint
-from kvmesh.quant import kernels, native
+from kvmesh.quant import kernels
 from kvmesh.quant.gguf_weights import _Header, convert_tensor, read_gguf
 from kvmesh.quant.loader import quantization_id
 from kvmesh.quant.modules import QuantEmbedding, QuantLinear
@@ -63,7 +63,7 @@ def _linear_from(type_name: str, data: np.ndarray, shape) -> QuantLinear:
 @pytest.mark.parametrize("path", ["native", "dequant"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_kept_quantized_linear_equals_gguf_dequantize(qtype, path, tmp_path, monkeypatch):
-    if path == "native" and native.get_lib() is None:
+    if path == "native" and not native.has_quant_gemm():
         pytest.skip("native kernel unavailable on this CPU / without a C compiler")
     if path == "dequant":
         monkeypatch.setattr(kernels, "NATIVE_MAX_ROWS", -1)
@@ -177,8 +177,7 @@ def test_gguf_model_greedy_equals_dequantized_float(gguf_folder):
     assert kept == ref
 
 
-@pytest.mark.skipif(native.get_lib() is None or not cpu_kernels.load(),
-                    reason="needs the quantized CPU kernel (AVX2, a C compiler) and the C++ kernels")
+@pytest.mark.skipif(not native.has_quant_gemm(), reason="needs the quantized CPU kernel (AVX2, a C++ compiler)")
 def test_gguf_decode_stack_equals_layer_loop(gguf_folder, stack_calls, monkeypatch):
     """Q4_0, Q4_1 and Q8_0 layers mixed in one model: batch-1 decode steps run the whole
     layer stack as one C++ op (layers/csrc/decode_stack.cpp) with the layer loop's bits."""

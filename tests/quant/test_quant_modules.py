@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.quant import get_method, kernels, native
+from kvmesh.layers import native
+from kvmesh.quant import get_method, kernels
 from kvmesh.quant.modules import QuantEmbedding, QuantLinear
 from kvmesh.quant.primitives import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4, quantize_int8,
                                      unpack_int4)
@@ -30,7 +31,7 @@ def _module(method_name: str, w: torch.Tensor, group_size: int | None = None, bi
 @pytest.mark.parametrize("path", ["native", "dequant"])
 @pytest.mark.parametrize("method,group", [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)])
 def test_quant_linear_matches_dequantize_then_matmul(method, group, path, monkeypatch):
-    if path == "native" and native.get_lib() is None:
+    if path == "native" and not native.has_quant_gemm():
         pytest.skip("native kernel unavailable on this CPU / without a C compiler")
     if path == "dequant":
         monkeypatch.setattr(kernels, "NATIVE_MAX_ROWS", -1)

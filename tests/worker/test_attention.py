@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvmesh.layers import cpu_kernels
+from kvmesh.layers import native
 from kvmesh.layers.attention import BACKENDS, SeqSpan, get_attention_backend
 
 CPU = torch.device("cpu")
@@ -45,7 +45,7 @@ def _dense_reference(spans, q, kc, vc, block_size, scale):
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("block_size, h, kvh", [(16, 9, 3), (1, 4, 4), (4, 8, 1), (32, 6, 2)])
 def test_backend_matches_dense(backend, block_size, h, kvh):
-    if backend == "cpu" and not cpu_kernels.load():
+    if backend == "cpu" and not native.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
     d, scale = 32, 32**-0.5
     spans, t = _random_batch(7, [(0, 13), (9, 20), (40, 1)], block_size, kvh, d)
@@ -61,7 +61,7 @@ def test_backend_matches_dense(backend, block_size, h, kvh):
 
 def test_auto_picks_cpu_kernels_on_cpu():
     assert type(get_attention_backend("auto", 16, CPU)).__name__ == (
-        "CpuPagedAttentionBackend" if cpu_kernels.load() else "TorchAttentionBackend")
+        "CpuPagedAttentionBackend" if native.load() else "TorchAttentionBackend")
 
 
 def test_unknown_backend_is_a_clear_error():
@@ -97,7 +97,7 @@ def _decode_reference(q, kc, vc, table, lens, scale):
 def test_paged_decode_kernel_matches_dense(dtype, tol, batch, d, max_len):
     """The C++ kernel against dense fp32 attention, in every cache dtype and over the shapes
     that take its different paths (chunks, partitions, vector tails)."""
-    if not cpu_kernels.load():
+    if not native.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
     g = torch.Generator().manual_seed(batch * 1000 + d)
     bs, h, kvh = 16, 9, 3
@@ -115,7 +115,7 @@ def test_paged_decode_kernel_matches_dense(dtype, tol, batch, d, max_len):
 
 
 def test_paged_decode_kernel_refuses_bad_input():
-    if not cpu_kernels.load():
+    if not native.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
     kc = torch.zeros(4, 16, 1, 8)
     with pytest.raises(RuntimeError, match="at least one context token"):
@@ -140,7 +140,7 @@ def test_paged_prefill_kernel_matches_dense(dtype, tol, chunks, h, kvh, d):
     """The C++ prefill kernel against dense causal attention, over several chunks of one call
     (each behind its own cached prefix, blocks scattered), with decode rows before them that
     it must leave alone."""
-    if not cpu_kernels.load():
+    if not native.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
     bs, nd = 16, 3
     spans, t = _random_batch(nd, chunks, bs, kvh, d, num_blocks=400, seed=len(chunks) * 31 + d)
@@ -159,7 +159,7 @@ def test_paged_prefill_kernel_matches_dense(dtype, tol, chunks, h, kvh, d):
 def test_cpu_backend_keeps_the_reference_prefill_without_vector_kernels():
     """On a CPU with neither AVX2 nor AVX-512 the CPU backend prefills with SDPA (the
     prefill kernel's scalar build is slower); decodes still take the C++ kernel."""
-    if not cpu_kernels.load():
+    if not native.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
     be = get_attention_backend("cpu", 16, CPU)
     be.prefill_kernel = False
@@ -175,7 +175,7 @@ def test_cpu_backend_keeps_the_reference_prefill_without_vector_kernels():
 def test_cpu_backend_prefills_bf16_with_sdpa():
     """bf16 models prefill through SDPA on the CPU backend too (its bf16 dot products beat the
     fp32 kernel); the reference metadata is built once, on the first layer's call."""
-    if not cpu_kernels.load():
+    if not native.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
     be = get_attention_backend("cpu", 16, CPU)
     spans, t = _random_batch(2, [(0, 13), (40, 9)], 16, 3, 32)
@@ -193,7 +193,7 @@ def test_cpu_backend_prefills_bf16_with_sdpa():
 
 
 def test_paged_prefill_kernel_refuses_bad_input():
-    if not cpu_kernels.load():
+    if not native.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
     kc, q = torch.zeros(4, 16, 1, 8), torch.zeros(20, 2, 8)
     table = torch.zeros(1, 2, dtype=torch.long)
@@ -242,7 +242,7 @@ def test_paged_decode_kernel_shared_prefixes(dtype, tol, groups, own_lens):
     blocks attended once for all sharers, merged by log-sum-exp): same result as dense
     attention, and as the same sequences on tables that share nothing (copies of the
     prefix blocks), batch order shuffled so sharers are not neighbours."""
-    if not cpu_kernels.load():
+    if not native.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
     g = torch.Generator().manual_seed(len(own_lens))
     bs, h, kvh, d, nb = 16, 9, 3, 64, 1600

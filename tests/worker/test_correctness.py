@@ -8,6 +8,8 @@ import torch
 from helpers import assert_logits_close, hf_greedy, hf_step_logits, run_collecting_logits
 from kvmesh.build import build_engine
 from kvmesh import SamplingParams
+from kvmesh.layers.linear import Linear
+from kvmesh.layers.op import CustomOp
 
 MAX_NEW = 10
 
@@ -76,13 +78,13 @@ def test_block_size_one_and_large(model_factory):
     _check(model_factory(), dict(block_size=64, num_blocks=16))
 
 
-def test_pytorch_reference_ops(model_factory, monkeypatch):
-    # The model's own PyTorch ops (RMSNorm, RoPE, SiLU-and-mul), not csrc/fused_ops.cpp:
-    # the path every non-CPU device takes.
-    import kvmesh.models.llama as llama
-
-    monkeypatch.setattr(llama, "fused", lambda x: False)
-    _check(model_factory(tie_word_embeddings=True), dict(block_size=4, num_blocks=256, attention_backend="torch"))
+def test_pytorch_reference_ops(model_factory):
+    # The layers' PyTorch references (RMSNorm, RoPE, SiLU-and-mul, GEMMs without kvmesh's
+    # kernels), not csrc/: the path every non-CPU device without triton takes.
+    engine = _check(model_factory(tie_word_embeddings=True),
+                    dict(block_size=4, num_blocks=256, attention_backend="torch", cpu_kernels=False))
+    model = engine.executor.runner.model
+    assert {m.backend for m in model.modules() if isinstance(m, CustomOp) and not isinstance(m, Linear)} == {"torch"}
 
 
 def test_bf16_engine_within_bf16_tolerance_of_fp32(model_factory):

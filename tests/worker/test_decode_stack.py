@@ -11,13 +11,12 @@ from helpers import assert_logits_close, hf_greedy, hf_step_logits, run_collecti
 
 from kvmesh import SamplingParams
 from kvmesh.build import build_engine
-from kvmesh.layers import cpu_kernels
+from kvmesh.layers import native
 from kvmesh.layers.attention import CpuPagedAttentionBackend
-from kvmesh.layers.ops import SKINNY_KERNEL_ROWS, STACK_DENSE
+from kvmesh.layers.linear import SKINNY_KERNEL_ROWS, STACK_DENSE
 from kvmesh.llm import LLM
-from kvmesh.quant import native
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels need a C++ compiler")
+pytestmark = pytest.mark.skipif(not native.load(), reason="CPU kernels need a C++ compiler")
 MAX_NEW = 12
 
 
@@ -50,7 +49,7 @@ def test_stack_equals_layer_loop_and_transformers(model_factory, stack_calls, mo
         assert_logits_close(logits[i], hf_step_logits(hf, prompt, tokens[i]))
 
 
-@pytest.mark.skipif(native.get_lib() is None, reason="the quantized CPU kernel needs AVX2 and a C compiler")
+@pytest.mark.skipif(not native.has_quant_gemm(), reason="the quantized CPU kernel needs AVX2")
 @pytest.mark.parametrize("method,group", [("int8", None), ("int4", 32), ("int4", 64)])
 def test_quantized_stack_equals_layer_loop(model_factory, stack_calls, monkeypatch, method, group):
     """int8 / int4 projections run kvmesh's quantized kernel inside the stack: same bits."""
@@ -148,14 +147,14 @@ def _random_stack(t: int, layers: int = 2, hidden: int = 32, heads: int = 4, kv_
     tables = torch.randperm(nb, generator=g)[: 4 * t].view(t, 4)  # distinct blocks: no slot written twice
     slots = torch.stack([tables[i, (ctx[i] - 1) // bs] * bs + (ctx[i] - 1) % bs for i in range(t)])
     return dict(h=torch.randn(t, hidden, generator=g), cos=ang.cos(), sin=ang.sin(), norms=norms, linears=linears,
-                kinds=[STACK_DENSE] * len(linears), kernels=[0] * len(linears), biases=biases, caches=caches,
+                kinds=[STACK_DENSE] * len(linears), biases=biases, caches=caches,
                 slots=slots, tables=tables, ctx=ctx, heads=heads, kv_heads=kv_heads, scale=d**-0.5,
                 skinny_rows=SKINNY_KERNEL_ROWS)
 
 
 def _call_stack(a, caches):
     return torch.ops.kvmesh.decode_stack(
-        a["h"], a["cos"], a["sin"], a["norms"], a["linears"], a["kinds"], a["kernels"], a["biases"],
+        a["h"], a["cos"], a["sin"], a["norms"], a["linears"], a["kinds"], a["biases"],
         [k for k, _ in caches], [v for _, v in caches], a["slots"], a["tables"], a["ctx"], a["heads"],
         a["kv_heads"], 1e-6, a["scale"], a["skinny_rows"])
 
@@ -197,7 +196,7 @@ def test_op_matches_the_separate_kernels(t):
      "need every linear dense and float32"),
     (lambda a: a["linears"].__setitem__(1, torch.zeros(32, 7)), "dense weight must be"),
     (lambda a: (a["kinds"].__setitem__(0, 2), a["linears"].insert(1, torch.zeros(1)),
-                a["linears"].insert(1, torch.zeros(1))), "int4 needs its kernel"),
+                a["linears"].insert(1, torch.zeros(1))), "int4 needs packed qweight"),
     (lambda a: a["kinds"].__setitem__(0, 9), "unknown kind"),
 ])
 def test_bad_arguments_raise_clear_errors(change, message):

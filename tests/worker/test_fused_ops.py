@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.models.llama import RMSNorm
-from kvmesh.models.rope import apply_rope
-from kvmesh.layers import cpu_kernels
+from kvmesh.layers.norm import RMSNorm
+from kvmesh.layers import native
+from kvmesh.layers.rotary import apply_rope
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels need a C++ compiler")
+pytestmark = pytest.mark.skipif(not native.load(), reason="CPU kernels need a C++ compiler")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

@@ -1,14 +1,18 @@
-"""kvmesh.layers.ops: the CPU GEMM paths (bmm split, oneDNN packed weight) against F.linear."""
+"""kvmesh.layers.linear: the CPU GEMM paths (weight split, oneDNN packed weight, the native skinny and
+small-batch kernels) against F.linear."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.layers import cpu_kernels, ops
+from kvmesh.config import KernelConfig
+from kvmesh.layers import linear as ops
+from kvmesh.layers import native
+from kvmesh.layers.op import OpContext
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("rows", [1, 5, ops.SKINNY_ROWS, ops.SKINNY_ROWS + 1, 200])
+@pytest.mark.parametrize("rows", [1, 5, ops.SPLIT_WEIGHT_MAJOR_ROWS, ops.SPLIT_WEIGHT_MAJOR_ROWS + 1, 200])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_reference(dtype, tol, rows, bias):
     g = torch.Generator().manual_seed(rows)
@@ -27,7 +31,7 @@ def test_linear_matches_reference(dtype, tol, rows, bias):
 
 def test_packed_weight_follows_edits_and_casts():
     lin = ops.Linear(32, 48)
-    x = torch.randn(ops.SKINNY_ROWS + 4, 32)
+    x = torch.randn(ops.SPLIT_WEIGHT_MAJOR_ROWS + 4, 32)
     with torch.inference_mode():
         lin(x)
         with torch.no_grad():
@@ -49,29 +53,31 @@ def test_model_runner_prepacks_every_onednn_linear(model_factory):
     linears = [m for name, m in model.named_modules() if isinstance(m, ops.Linear) and name != "lm_head"]
     assert linears
     for lin in linears:
-        assert (lin._packed is not None) == ops.onednn_usable(lin.weight)
+        assert (lin._packed is not None) == lin._onednn
     assert model.lm_head._packed is None  # one row per sequence: never oneDNN in a decode or prefill step
     lin = ops.Linear(16, 8)
     lin.prepack()
     packed = lin._packed
     lin.prepack()  # already packed: kept
-    assert lin._packed is packed and (packed is not None) == ops.onednn_usable(lin.weight)
+    assert lin._packed is packed and (packed is not None) == lin._onednn
 
 
 def test_onednn_path_choice():
-    w32, w16 = torch.zeros(8, 8), torch.zeros(8, 8, dtype=torch.bfloat16)
-    assert ops.onednn_usable(w32) == ops._ONEDNN
-    # bf16 goes through oneDNN only where the CPU multiplies bf16 natively
-    assert ops.onednn_usable(w16) == (ops._ONEDNN and ops.NATIVE_BF16)
+    assert ops.Linear(8, 8)._onednn == ops._ONEDNN_BUILT
+    # bf16 goes through oneDNN only where the CPU multiplies bf16 natively; the choice
+    # follows a cast (made when the layer is built or moved, never per call)
+    assert ops.Linear(8, 8).to(torch.bfloat16)._onednn == (ops._ONEDNN_BUILT and native.native_bf16())
+    off = OpContext(kernels=KernelConfig(onednn_linear=False))
+    assert not ops.Linear(8, 8, ctx=off)._onednn
 
 
 def test_bmm_split_matches_reference():
-    """The fallback path (KVMESH_ONEDNN_LINEAR=0, or bf16 without native bf16)."""
+    """The fallback path (kernels.onednn_linear off, or bf16 without native bf16)."""
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(120, 96, generator=g), torch.randn(120, generator=g)
-    for rows in (1, ops.SKINNY_ROWS, 100):
+    for rows in (1, ops.SPLIT_WEIGHT_MAJOR_ROWS, 100):
         x = torch.randn(rows, 96, generator=g)
-        torch.testing.assert_close(ops.linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ops.split_linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
 def _check_kernel(op, dtype, tol, rows, out_features, k, g) -> torch.Tensor:
@@ -91,7 +97,7 @@ def _check_kernel(op, dtype, tol, rows, out_features, k, g) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("out_features", [1, 7, 8, 64, 131])  # row blocks of 8, their remainders
 def test_skinny_kernel_matches_reference(dtype, tol, rows, out_features):
-    if not cpu_kernels.load():
+    if not native.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     for k in (576, 37):  # whole vectors, and a scalar tail
@@ -104,7 +110,7 @@ def test_skinny_kernel_matches_reference(dtype, tol, rows, out_features):
 @pytest.mark.parametrize("rows", [1, 5, 12, 16, 17, 33, 48, 64, 65, 130])  # every register tile, partial and multi-block
 @pytest.mark.parametrize("out_features", [1, 6, 13, 131])  # whole tiles of 6 / 8 / 12 / 16 rows and remainders
 def test_small_kernel_matches_reference(dtype, tol, rows, out_features):
-    if not cpu_kernels.load():
+    if not native.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     for k in (576, 37):  # whole blocks of 16 k, and a tail
@@ -121,7 +127,7 @@ def test_small_kernel_matches_reference(dtype, tol, rows, out_features):
 def test_linear_runs_the_small_kernel_for_decode_batches(monkeypatch):
     """fp32 Linear with rows in SMALL_GEMM_ROWS runs csrc/small_gemm.cpp (and matches F.linear);
     outside it, or with it switched off, it does not."""
-    if not cpu_kernels.load():
+    if not native.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
     calls = []
     real = torch.ops.kvmesh.small_linear
@@ -138,6 +144,7 @@ def test_linear_runs_the_small_kernel_for_decode_batches(monkeypatch):
             x = torch.randn(rows, 64)
             torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-4, atol=1e-4)
         assert calls == [lo, hi]
-        monkeypatch.setattr(ops, "SMALL_GEMM", False)
-        lin(torch.randn(lo, 64))
+        off = ops.Linear(64, 40, ctx=OpContext(kernels=KernelConfig(small_gemm=False)))
+        off.load_state_dict(lin.state_dict())
+        assert off(torch.randn(lo, 64)).shape == (lo, 40)
         assert calls == [lo, hi]

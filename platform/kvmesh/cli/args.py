@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from kvmesh.config import EngineConfig, SpeculativeConfig
 
 # Sections whose fields are flattened without a prefix (their names are unique).
-_FLAT_SECTIONS = ("model", "cache", "scheduler")
+_FLAT_SECTIONS = ("model", "cache", "scheduler", "kernels")
 # The one nested optional section: `--speculative METHOD` turns it on.
 _SPEC = "speculative"
 

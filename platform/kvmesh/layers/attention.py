@@ -19,7 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvmesh.layers import cpu_kernels, slots
+from kvmesh.config import KernelConfig
+from kvmesh.layers import native, slots
 from kvmesh.layers.triton_attention import TritonAttentionBackend
 from kvmesh.layers.triton_runtime import can_run as triton_can_run
 
@@ -195,7 +196,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         super().__init__(block_size, device)
         # The prefill kernel's register tiles need AVX2 or AVX-512; its portable scalar build
         # is ~8x slower than SDPA, so CPUs with neither keep the reference prefill.
-        self.prefill_kernel = cpu_kernels.isa() != "generic"
+        self.prefill_kernel = native.isa() != "generic"
 
     def _prefill_metadata(self, meta: AttentionMetadata) -> None:
         if not self.prefill_kernel:
@@ -234,12 +235,16 @@ BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuPagedAttentionBackend}
 GPU_BACKENDS = {"triton": TritonAttentionBackend}
 
 
-def get_attention_backend(name: str, block_size: int, device: torch.device) -> AttentionBackend:
-    """`auto` picks the fastest backend that works on `device`."""
+def get_attention_backend(name: str, block_size: int, device: torch.device,
+                          kernels: KernelConfig | None = None) -> AttentionBackend:
+    """`auto` picks the fastest backend that works on `device` (the CPU kernels only where
+    `kernels.cpu_kernels` allows them)."""
+    kernels = kernels or KernelConfig()
+    cpu_ok = kernels.cpu_kernels and native.load(kernels.native_isa)
     if name == "auto":
         name = "torch"
         if device.type == "cpu":
-            if cpu_kernels.load():
+            if cpu_ok:
                 name = "cpu"
         elif device.type == "cuda" and triton_can_run(device):
             name = "triton"
@@ -248,7 +253,7 @@ def get_attention_backend(name: str, block_size: int, device: torch.device) -> A
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} unknown; choose from "
                          f"{sorted([*BACKENDS, *GPU_BACKENDS])} or auto")
-    if name == "cpu":
-        if not cpu_kernels.load():
-            raise ValueError("attention backend 'cpu' needs the C++ kernels, which failed to build")
+    if name == "cpu" and not cpu_ok:
+        raise ValueError("attention backend 'cpu' needs the native CPU kernels: they are switched off "
+                         "(kernels.cpu_kernels) or no C++ compiler was found")
     return BACKENDS[name](block_size, device)

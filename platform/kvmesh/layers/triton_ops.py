@@ -7,29 +7,19 @@ csrc/fused_ops.cpp): one launch each instead of 3 to 12 PyTorch ops.
                                       (T, (H + 2 KVH) D); rotate-half convention (HF Llama)
     silu_and_mul(gu)                = silu(gu[:, :I]) * gu[:, I:]
 
-Numerics follow the PyTorch reference (models/llama.py, models/rope.py) step by step,
-including its roundings to the model dtype between steps; the differences are float
+Numerics follow the PyTorch reference (layers/norm.py, rotary.py, activation.py) step by
+step, including its roundings to the model dtype between steps; the differences are float
 summation order, FMA contraction and the hardware rsqrt / exp.
 
-`enabled(x)` says whether the model should call these for `x`: CUDA tensors with triton
-installed; CPU tensors only when a test sets `ON_CPU` (kernels interpreted).
+The layers bind these on CUDA, or on CPU under TRITON_INTERPRET=1 with
+`KernelConfig.layer_ops="triton"` (tests: the kernels interpreted).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvmesh.layers.triton_runtime import AVAILABLE, INTERPRET, next_pow2, tl, to_dtype, triton
-
-# Tests set this (with TRITON_INTERPRET=1) to run the whole model through these kernels on CPU.
-ON_CPU = False
-_ON_CUDA = AVAILABLE and not INTERPRET
-
-
-def enabled(x: torch.Tensor) -> bool:
-    if x.is_cuda:
-        return _ON_CUDA
-    return ON_CPU and INTERPRET
+from kvmesh.layers.triton_runtime import next_pow2, tl, to_dtype, triton
 
 
 if triton is not None:

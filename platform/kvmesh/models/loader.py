@@ -11,13 +11,15 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.config import KernelConfig
 from kvmesh.checkpoint.files import iter_safetensors, load_tokenizer, model_fingerprint, resolve_model_path
+from kvmesh.layers.op import OpContext
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.llama import LlamaForCausalLM
 from kvmesh.models.rope import RotaryEmbedding
 
 __all__ = ["iter_safetensors", "load_arch_config", "load_float_model", "load_tokenizer", "model_fingerprint",
-           "resolve_model_path"]
+           "op_context", "resolve_model_path"]
 
 
 def load_arch_config(path: Path) -> ArchConfig:
@@ -25,11 +27,16 @@ def load_arch_config(path: Path) -> ArchConfig:
         return ArchConfig.from_hf(json.load(f))
 
 
-def load_float_model(path: Path, dtype, device, max_positions: int):
+def op_context(device, dtype: torch.dtype, kernels: KernelConfig | None) -> OpContext:
+    """The context every layer of a model built for `device` / `dtype` picks its backend from."""
+    return OpContext(torch.device(device), dtype, kernels or KernelConfig())
+
+
+def load_float_model(path: Path, dtype, device, max_positions: int, kernels: KernelConfig | None = None):
     """Build the float model for `path` and load its weights; returns (model, ArchConfig)."""
     cfg = load_arch_config(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, op_context(device, dtype, kernels))
     # Materialize uninitialized storage: every parameter is overwritten by the load.
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor

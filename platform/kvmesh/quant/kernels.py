@@ -2,8 +2,8 @@
 
 Three paths, same numbers up to float summation order:
 
-- `native`: kvmesh's AVX2 kernel (csrc/cpu_gemm.c) for skinny inputs on CPU (decode:
-  M <= NATIVE_MAX_ROWS). It reads each weight byte once and keeps activations in
+- `native`: kvmesh's AVX2 kernel (layers/csrc/quant_gemm.cpp, part of the one native
+  build) for skinny inputs on CPU (decode: M <= NATIVE_MAX_ROWS). It reads each weight byte once and keeps activations in
   float32: this is where the speed of quantized decode comes from.
 - `triton`: on CUDA, Triton kernels (triton_gemm.py) for inputs up to
   triton_gemm.MAX_ROWS rows: the weight is dequantized in registers, each byte read once.
@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.layers.ops import linear
-from kvmesh.quant import native, triton_gemm
+from kvmesh.layers import native
+from kvmesh.layers.linear import split_linear
+from kvmesh.quant import triton_gemm
 from kvmesh.quant.primitives import dequantize_int4, dequantize_int8, unpack_int4
 
 # Rows up to which the native kernel beats dequantize + matmul (measured, see README).
@@ -38,11 +39,7 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def native_usable(rows: int, device: torch.device) -> bool:
     """Whether an input of `rows` rows on `device` runs the native kernel (layouts aside)."""
-    return rows <= NATIVE_MAX_ROWS and device.type == "cpu" and native.get_lib() is not None
-
-
-def use_native(x: torch.Tensor) -> bool:
-    return native_usable(x.shape[0], x.device)
+    return rows <= NATIVE_MAX_ROWS and device.type == "cpu" and native.has_quant_gemm()
 
 
 def int8_native_layout(k: int, scales: torch.Tensor) -> bool:
@@ -60,37 +57,28 @@ def _as_f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
 
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (M, K) float, qweight (N, K) int8, scales float32 (N,) or (N, K / G) -> (M, N) in x.dtype."""
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, native_ok: bool = True) -> torch.Tensor:
+    """x (M, K) float, qweight (N, K) int8, scales float32 (N,) or (N, K / G) -> (M, N) in x.dtype.
+    `native_ok` False (KernelConfig.quantized_cpu_gemm off) keeps the native kernel out."""
     if use_triton(x):
         return triton_gemm.int8_matmul(x, qweight, scales)
-    m, k = x.shape
-    g = k if scales.dim() == 1 else k // scales.shape[1]
-    if int8_native_layout(k, scales) and use_native(x):
-        xf = _as_f32(x)
-        y = torch.empty(m, qweight.shape[0], dtype=torch.float32)
-        native.get_lib().kvm_int8_gemm(xf.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), g,
-                                       qweight.shape[0], y.data_ptr())
+    k = x.shape[1]
+    if native_ok and int8_native_layout(k, scales) and native_usable(x.shape[0], x.device):
+        y = torch.ops.kvmesh.int8_linear(_as_f32(x), qweight, scales)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
-    return linear(x, dequantize_int8(qweight, scales, x.dtype))
+    return split_linear(x, dequantize_int8(qweight, scales, x.dtype))
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                mins: bool = False) -> torch.Tensor:
+                mins: bool = False, native_ok: bool = True) -> torch.Tensor:
     """x (M, K), qweight packed (N, K / 2) uint8, scales / offsets fp16 (N, K / G) -> (M, N).
 
     `offsets` are zero points, or GGUF Q4_1 minima when `mins` (see primitives.py).
     """
     if use_triton(x):
         return triton_gemm.int4_matmul(x, qweight, scales, offsets, mins)
-    m, k = x.shape
-    g = k // scales.shape[1]
-    if int4_native_layout(k, scales) and use_native(x):
-        xf = _as_f32(x)
-        y = torch.empty(m, qweight.shape[0], dtype=torch.float32)
-        rc = native.get_lib().kvm_int4_gemm(xf.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(),
-                                            offsets.data_ptr(), int(mins), g, qweight.shape[0], y.data_ptr())
-        if rc != 0:
-            raise MemoryError("kvmesh int4 kernel: out of memory for its activation scratch buffer")
+    k = x.shape[1]
+    if native_ok and int4_native_layout(k, scales) and native_usable(x.shape[0], x.device):
+        y = torch.ops.kvmesh.int4_linear(_as_f32(x), qweight, scales, offsets, mins)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
-    return linear(x, dequantize_int4(unpack_int4(qweight), scales, offsets, x.dtype, mins))
+    return split_linear(x, dequantize_int4(unpack_int4(qweight), scales, offsets, x.dtype, mins))

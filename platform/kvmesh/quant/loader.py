@@ -32,8 +32,11 @@ from torch import nn
 
 from kvmesh.checkpoint.files import iter_safetensors
 from kvmesh.errors import ConfigError
+from kvmesh.config import KernelConfig
+from kvmesh.layers.linear import Linear
+from kvmesh.layers.op import fast_paths_changed
 from kvmesh.models.llama import LlamaForCausalLM
-from kvmesh.models.loader import load_arch_config, load_float_model
+from kvmesh.models.loader import load_arch_config, load_float_model, op_context
 from kvmesh.models.rope import RotaryEmbedding
 from kvmesh.quant import gguf_weights
 from kvmesh.quant.formats import CheckpointFormat, KVMeshFormat, format_from_config
@@ -49,7 +52,7 @@ def read_quantization_config(path: Path) -> dict[str, Any] | None:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-               quantization: str | None = None, group_size: int | None = None):
+               quantization: str | None = None, group_size: int | None = None, kernels: KernelConfig | None = None):
     """Build the model for `path` and load its weights; returns (model, ArchConfig).
 
     `quantization` ("int8" / "int4") quantizes a float checkpoint while loading, "gguf"
@@ -58,8 +61,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
     else loads float weights.
     """
     if quantization is None and read_quantization_config(path) is None:
-        return load_float_model(path, dtype, device, max_positions)
-    return load_quantized_model(path, load_arch_config(path), dtype, device, max_positions, quantization, group_size)
+        return load_float_model(path, dtype, device, max_positions, kernels)
+    return load_quantized_model(path, load_arch_config(path), dtype, device, max_positions, quantization, group_size,
+                                kernels)
 
 
 def quantization_id(path: Path, quantization: str | None, group_size: int | None) -> dict[str, Any] | None:
@@ -124,7 +128,8 @@ def _plan_from_method(model: nn.Module, method: QuantMethod, tied: bool) -> dict
     return plan
 
 
-def _swap(model: nn.Module, plan: dict[str, str], tied: bool, device: torch.device) -> dict[str, tuple[nn.Module, str | None]]:
+def _swap(model: nn.Module, plan: dict[str, str], tied: bool, device: torch.device,
+          kernels: KernelConfig) -> dict[str, tuple[nn.Module, str | None]]:
     """Replace planned modules; returns {HF module path: (quantized module, shard)}."""
     by_target: dict[str, set[str]] = defaultdict(set)
     for prefix, scheme in plan.items():
@@ -137,8 +142,9 @@ def _swap(model: nn.Module, plan: dict[str, str], tied: bool, device: torch.devi
         scheme = schemes.pop()
         old = model.get_submodule(target)
         if target == EMBED_NAME:
-            module = QuantEmbedding(old.num_embeddings, old.embedding_dim, device, scheme)
-        elif isinstance(old, nn.Linear):
+            module = QuantEmbedding(old.num_embeddings, old.embedding_dim, device, scheme,
+                                    native_gemm=kernels.cpu_kernels and kernels.quantized_cpu_gemm)
+        elif isinstance(old, Linear):
             if target == HEAD_NAME and tied:
                 raise ValueError("checkpoint: lm_head is quantized but tied to a float embedding")
             module = QuantLinear.like(scheme, old, device)
@@ -147,8 +153,7 @@ def _swap(model: nn.Module, plan: dict[str, str], tied: bool, device: torch.devi
         parent, _, child = target.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, module)
         new[target] = module
-    if isinstance(model, LlamaForCausalLM):
-        model.invalidate_decode_stack()  # its layers are no longer the float ones it gathered
+    fast_paths_changed()  # the model's layers are no longer the float ones its fast paths gathered
     if tied and isinstance(new.get(EMBED_NAME), QuantEmbedding):
         model.lm_head = new[EMBED_NAME].head
     routes = {}
@@ -160,12 +165,13 @@ def _swap(model: nn.Module, plan: dict[str, str], tied: bool, device: torch.devi
 
 
 def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.device, max_positions: int,
-                         quantization: str | None = None, group_size: int | None = None):
+                         quantization: str | None = None, group_size: int | None = None,
+                         kernels: KernelConfig | None = None):
     """Like models.loader.load_float_model, for quantized checkpoints or `--quantization`."""
     qc = read_quantization_config(path)
     tied = cfg.tie_word_embeddings
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = LlamaForCausalLM(cfg, max_positions, op_context(device, dtype, kernels))
     weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors(path)
     if qc is not None:
         if quantization is not None:
@@ -182,9 +188,9 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
         fmt = KVMeshFormat()
         plan = _plan_from_method(model, method, tied)
         weights = method.quantize_state_dict(weights, tied)
-    routes = _swap(model, plan, tied, device)
+    routes = _swap(model, plan, tied, device, kernels or KernelConfig())
     model = model.to_empty(device=device)
-    if tied and isinstance(model.lm_head, nn.Linear) and not isinstance(model.lm_head, QuantLinear):
+    if tied and isinstance(model.lm_head, Linear):
         model.lm_head.weight = model.model.embed_tokens.weight
 
     pending: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvmesh.layers.ops import SKINNY_KERNEL_ROWS, STACK_INT4, STACK_INT4_MINS, STACK_INT8
-from kvmesh.quant import native
+from kvmesh.layers.linear import SKINNY_KERNEL_ROWS, STACK_INT4, STACK_INT4_MINS, STACK_INT8
+from kvmesh.layers.op import fast_paths_changed
 from kvmesh.quant.kernels import int4_matmul, int4_native_layout, int8_matmul, int8_native_layout, native_usable
 from kvmesh.quant.primitives import dequantize_int4, dequantize_int8, unpack_int4
 
@@ -26,11 +26,14 @@ SCHEME_TENSORS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "
 
 
 class QuantLinear(nn.Module):
-    """Weight-only quantized y = x @ W^T + b; `scheme` is "int8" or "int4"."""
+    """Weight-only quantized y = x @ W^T + b; `scheme` is "int8" or "int4". `native_gemm`
+    False keeps the native CPU kernel out (KernelConfig.quantized_cpu_gemm / cpu_kernels)."""
 
     def __init__(self, scheme: str, in_features: int, out_features: int, bias: bool,
-                 shards: dict[str, tuple[int, int]] | None = None, device: torch.device | str = "cpu"):
+                 shards: dict[str, tuple[int, int]] | None = None, device: torch.device | str = "cpu",
+                 native_gemm: bool = True):
         super().__init__()
+        self.native_gemm = native_gemm
         if scheme not in SCHEME_TENSORS:
             raise ValueError(f"scheme: {scheme!r} is not one of {sorted(SCHEME_TENSORS)}")
         self.scheme = scheme
@@ -46,9 +49,12 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def like(cls, scheme: str, linear: nn.Linear, device: torch.device | str) -> "QuantLinear":
-        """An empty quantized twin of `linear` (a Linear or MergedLinear)."""
-        shards = getattr(linear, "offsets", None)
-        return cls(scheme, linear.in_features, linear.out_features, linear.bias is not None, shards, device)
+        """An empty quantized twin of `linear` (a layers.linear Linear or MergedColumnLinear)."""
+        if linear.ctx.tp.size > 1:
+            raise ValueError("quantized layers are not tensor-parallel yet; run with tensor parallel size 1")
+        kernels = linear.ctx.kernels
+        return cls(scheme, linear.in_features, linear.out_features, linear.bias is not None,
+                   getattr(linear, "offsets", None), device, kernels.cpu_kernels and kernels.quantized_cpu_gemm)
 
     def _rows(self, shard: str | None) -> tuple[int, int]:
         key = shard or ""
@@ -60,6 +66,7 @@ class QuantLinear(nn.Module):
         """Copy one checkpoint module's canonical tensors into this module's rows."""
         start, size = self._rows(shard)
         self._fast = None
+        fast_paths_changed()
         for name, t in tensors.items():
             if name == "perm":
                 self._load_perm(t)
@@ -80,6 +87,7 @@ class QuantLinear(nn.Module):
 
     def _load_perm(self, perm: torch.Tensor) -> None:
         self._fast = None
+        fast_paths_changed()
         perm = perm.to(device=self.device, dtype=torch.long)
         if self.perm is not None and not torch.equal(self.perm, perm):
             raise ValueError("g_idx: shards of one fused module have different act-order permutations; "
@@ -89,6 +97,7 @@ class QuantLinear(nn.Module):
     def load_bias(self, bias: torch.Tensor, shard: str | None = None) -> None:
         start, size = self._rows(shard)
         self._fast = None
+        fast_paths_changed()
         if self.bias is None:
             self.bias = torch.zeros(self.out_features, dtype=torch.float32, device=self.device)
         self.bias.narrow(0, start, size).copy_(bias)
@@ -114,9 +123,11 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             self.bias = self.bias.to(dtype)
         self._fast = None
+        fast_paths_changed()
 
     def _apply(self, fn, recurse=True):  # .to() / .half() replace the buffers: re-read them
         self._fast = None
+        fast_paths_changed()
         return super()._apply(fn, recurse)
 
     def _forward_args(self) -> tuple:
@@ -124,7 +135,7 @@ class QuantLinear(nn.Module):
         __getattr__ cost ~0.4 us each, a noticeable share of a decode-sized matmul."""
         offsets = self._offsets()
         return (self.scheme == "int8", self.qweight, self.scales, offsets, self.mins is not None, self.perm,
-                self.bias)
+                self.bias, self.native_gemm)
 
     def _dequantize(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                     dtype: torch.dtype) -> torch.Tensor:
@@ -152,28 +163,27 @@ class QuantLinear(nn.Module):
         args = self._fast
         if args is None:
             args = self._fast = self._forward_args()
-        is_int8, qweight, scales, offsets, mins, perm, bias = args
+        is_int8, qweight, scales, offsets, mins, perm, bias, native_ok = args
         if perm is not None:
             x = x.index_select(-1, perm)
-        y = int8_matmul(x, qweight, scales) if is_int8 else int4_matmul(x, qweight, scales, offsets, mins)
+        y = (int8_matmul(x, qweight, scales, native_ok) if is_int8
+             else int4_matmul(x, qweight, scales, offsets, mins, native_ok))
         return y if bias is None else y + bias
 
-    def stack_linear(self) -> tuple[int, list[torch.Tensor], int] | None:
+    def stack_form(self) -> tuple[int, list[torch.Tensor]] | None:
         """How the decode_stack op (layers/csrc/decode_stack.cpp) runs this layer for up to
-        SKINNY_KERNEL_ROWS rows: what `forward` runs, the native kernel through its C entry
-        point. None where forward would not use that kernel (no kernel here, act-order,
-        other layouts)."""
-        if not native_usable(SKINNY_KERNEL_ROWS, self.device) or self.perm is not None:
+        SKINNY_KERNEL_ROWS rows: what `forward` runs, the native kernel. None where forward
+        would not use that kernel (no kernel here, act-order, other layouts)."""
+        if not self.native_gemm or not native_usable(SKINNY_KERNEL_ROWS, self.device) or self.perm is not None:
             return None
-        lib = native.get_lib()
-        is_int8, qweight, scales, offsets, mins, _, _ = self._fast or self._forward_args()
+        is_int8, qweight, scales, offsets, mins, _, _, _ = self._fast or self._forward_args()
         if is_int8:
             if not int8_native_layout(self.in_features, scales):
                 return None
-            return STACK_INT8, [qweight, scales], native.address(lib.kvm_int8_gemm)
+            return STACK_INT8, [qweight, scales]
         if not int4_native_layout(self.in_features, scales):
             return None
-        return (STACK_INT4_MINS if mins else STACK_INT4), [qweight, scales, offsets], native.address(lib.kvm_int4_gemm)
+        return (STACK_INT4_MINS if mins else STACK_INT4), [qweight, scales, offsets]
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size()
@@ -193,10 +203,11 @@ class QuantEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, device: torch.device | str = "cpu",
-                 scheme: str = "int8"):
+                 scheme: str = "int8", native_gemm: bool = True):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.head = QuantLinear(scheme, embedding_dim, num_embeddings, bias=False, device=device)
+        self.head = QuantLinear(scheme, embedding_dim, num_embeddings, bias=False, device=device,
+                                native_gemm=native_gemm)
         self.dtype = torch.float32
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 
 from kvmesh.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from kvmesh.layers.attention import SeqSpan, get_attention_backend
-from kvmesh.layers.ops import prepack_linears
+from kvmesh.config import KernelConfig
+from kvmesh.layers.linear import prepack_linears
 from kvmesh.models.arch import ArchConfig
 from kvmesh.worker.cuda_graphs import DecodeGraphs, GraphRecorder
 from kvmesh.worker.kv_memory import populate_in_background, zeroed_tensor
@@ -45,7 +46,8 @@ class KVCacheSpec:
 class ModelRunner:
     def __init__(self, model, arch: ArchConfig, block_size: int, num_blocks: int,
                  device: torch.device, seed: int = 0, attention_backend: str = "auto",
-                 cuda_graph_max_batch: int = 0, max_model_len: int = 0, graph_recorder: GraphRecorder | None = None):
+                 cuda_graph_max_batch: int = 0, max_model_len: int = 0, graph_recorder: GraphRecorder | None = None,
+                 kernels: KernelConfig | None = None):
         """`cuda_graph_max_batch` > 0 captures decode graphs up to that batch (CUDA, or any
         device with a `graph_recorder`, for tests); `max_model_len` bounds their contexts."""
         self.model = model
@@ -64,7 +66,7 @@ class ModelRunner:
                           for _ in range(arch.num_layers)]
         self.kv_populate = populate_in_background([t for kv in self.kv_caches for t in kv]) \
             if device.type == "cpu" else None
-        self.backend = get_attention_backend(attention_backend, block_size, device)
+        self.backend = get_attention_backend(attention_backend, block_size, device, kernels)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._req_generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None

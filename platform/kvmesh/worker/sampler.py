@@ -12,13 +12,14 @@ import torch
 
 from kvmesh.engine.outputs import TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.layers import cpu_kernels
+from kvmesh.layers import native
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) for (B, V) scores; float32 CPU rows run the C++ kernel (csrc/fused_ops.cpp:
     same indices, first max or first NaN, ~7x faster than torch's at 48 x 49152)."""
-    if x.dim() == 2 and x.shape[1] and x.dtype == torch.float32 and cpu_kernels.fused(x):
+    if (x.dim() == 2 and x.shape[1] and x.dtype == torch.float32 and x.device.type == "cpu"
+            and native.loaded()):
         return torch.ops.kvmesh.argmax_rows(x)
     return x.argmax(-1)
 

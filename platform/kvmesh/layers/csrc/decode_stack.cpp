@@ -20,12 +20,11 @@
 // A linear is one of (linear_kinds; its tensors are taken from linear_tensors in turn):
 //   0 dense     [weight (N, K)]: the skinny GEMM (skinny_gemm.cpp), bias added in-kernel
 //   1 int8      [qweight, scales]            } kvmesh's weight-only quantized GEMM
-//   2 int4      [qweight, scales, zeros]     } (quant/csrc/cpu_gemm.c), called through
-//   3 int4 mins [qweight, scales, mins]      } its C entry point, whose address
-//                                                linear_kernels holds; bias added after
-// exactly as the Python modules (layers/ops.py Linear, quant/modules.py QuantLinear) run
-// them for a few rows (up to `skinny_rows`, layers/ops.py SKINNY_KERNEL_ROWS, at most 4).
-// Steps of more rows (up to 64: layers/ops.py SMALL_GEMM_ROWS) take the small-batch GEMM
+//   2 int4      [qweight, scales, zeros]     } (quant_gemm.cpp, in this same build);
+//   3 int4 mins [qweight, scales, mins]      } bias added after
+// exactly as the Python modules (layers/linear.py Linear, quant/modules.py QuantLinear) run
+// them for a few rows (up to `skinny_rows`, layers/linear.py SKINNY_KERNEL_ROWS, at most 4).
+// Steps of more rows (up to 64: layers/linear.py SMALL_GEMM_ROWS) take the small-batch GEMM
 // (small_gemm.cpp) instead, as `Linear` does for them; they need every linear dense and
 // float32.
 // Activations, norms, biases, dense weights and the KV cache share one dtype: float32 or
@@ -41,19 +40,12 @@
 
 namespace {
 
-// The C entry points of quant/csrc/cpu_gemm.c.
-using Int8Gemm = void (*)(const float* x, int64_t M, int64_t K, const int8_t* w, const float* s, int64_t G,
-                          int64_t N, float* y);
-using Int4Gemm = int (*)(const float* x, int64_t M, int64_t K, const uint8_t* w, const uint16_t* s,
-                         const uint16_t* o, int32_t mode, int64_t G, int64_t N, float* y);
-
 enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt4Mins = 3 };
 
-// One linear layer of the stack: its kind, tensors, quantized kernel and bias.
+// One linear layer of the stack: its kind, tensors and bias.
 struct StackLinear {
   int64_t kind;
   const at::Tensor* t;
-  int64_t kernel;
   std::optional<at::Tensor> bias;
   int64_t skinny_rows;  // dense layers: the skinny GEMM up to this many rows, the small-batch one above
 
@@ -65,11 +57,11 @@ struct StackLinear {
     auto y = at::empty({M, N}, x.options());
     if (kind == kInt8) {
       const int64_t G = t[1].dim() == 1 ? K : K / t[1].size(1);
-      reinterpret_cast<Int8Gemm>(kernel)(x.data_ptr<float>(), M, K, t[0].data_ptr<int8_t>(), t[1].data_ptr<float>(),
-                                         G, N, y.data_ptr<float>());
+      kvmesh_cpu::int8_gemm(x.data_ptr<float>(), M, K, t[0].data_ptr<int8_t>(), t[1].data_ptr<float>(), G, N,
+                            y.data_ptr<float>());
     } else {
       const int64_t G = K / t[1].size(1);
-      const int rc = reinterpret_cast<Int4Gemm>(kernel)(
+      const int rc = kvmesh_cpu::int4_gemm(
           x.data_ptr<float>(), M, K, t[0].data_ptr<uint8_t>(), static_cast<const uint16_t*>(t[1].data_ptr()),
           static_cast<const uint16_t*>(t[2].data_ptr()), kind == kInt4Mins ? 1 : 0, G, N, y.data_ptr<float>());
       TORCH_CHECK(rc == 0, "decode_stack: the int4 kernel could not allocate its scratch buffer");
@@ -92,25 +84,27 @@ void check_linear(const StackLinear& lin, int64_t K, int64_t N, int64_t index, a
                 "decode_stack: linear ", index, ": bias must be (", N, ",) in the hidden dtype");
   TORCH_CHECK(lin.kind == kDense || dtype == at::kFloat, "decode_stack: linear ", index,
               ": the quantized kernels take float32 activations only");
+  TORCH_CHECK(lin.kind == kDense || kvmesh_cpu::has_quant_gemm(), "decode_stack: linear ", index,
+              ": this build has no quantized kernel (it needs AVX2, FMA and F16C)");
   switch (lin.kind) {
     case kDense:
       TORCH_CHECK(t[0].scalar_type() == dtype && t[0].size(1) == K, "decode_stack: linear ", index,
                   ": dense weight must be (", N, ", ", K, ") in the hidden dtype");
       break;
     case kInt8:
-      TORCH_CHECK(lin.kernel != 0 && t[0].scalar_type() == at::kChar && t[0].size(1) == K &&
+      TORCH_CHECK(t[0].scalar_type() == at::kChar && t[0].size(1) == K &&
                       t[1].scalar_type() == at::kFloat && t[1].size(0) == N && K % 16 == 0 &&
                       (t[1].dim() == 1 || (t[1].dim() == 2 && K % t[1].size(1) == 0 && (K / t[1].size(1)) % 16 == 0)),
-                  "decode_stack: linear ", index, ": int8 needs its kernel, qweight int8 (N, K), float32 scales "
+                  "decode_stack: linear ", index, ": int8 needs qweight int8 (N, K), float32 scales "
                   "per row or per group of a multiple of 16");
       break;
     case kInt4:
     case kInt4Mins:
-      TORCH_CHECK(lin.kernel != 0 && t[0].scalar_type() == at::kByte && t[0].size(1) * 2 == K &&
+      TORCH_CHECK(t[0].scalar_type() == at::kByte && t[0].size(1) * 2 == K &&
                       t[1].scalar_type() == at::kHalf && t[2].scalar_type() == at::kHalf && t[1].dim() == 2 &&
                       t[1].sizes() == t[2].sizes() && t[1].size(0) == N && K % t[1].size(1) == 0 &&
                       (K / t[1].size(1)) % 32 == 0,
-                  "decode_stack: linear ", index, ": int4 needs its kernel, packed qweight uint8 (N, K / 2), "
+                  "decode_stack: linear ", index, ": int4 needs packed qweight uint8 (N, K / 2), "
                   "float16 scales and offsets (N, K / G) with G a multiple of 32");
       break;
     default:
@@ -132,7 +126,7 @@ void write_kv(const at::Tensor& cache, const at::Tensor& rows, const int64_t* sl
 namespace kvmesh_cpu {
 
 at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms,
-                        at::TensorList linear_tensors, at::IntArrayRef linear_kinds, at::IntArrayRef linear_kernels,
+                        at::TensorList linear_tensors, at::IntArrayRef linear_kinds,
                         const c10::List<std::optional<at::Tensor>>& biases, at::TensorList k_caches,
                         at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
@@ -140,9 +134,8 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(norms.size()) == 2 * L &&
                   static_cast<int64_t>(linear_kinds.size()) == 4 * L &&
-                  static_cast<int64_t>(linear_kernels.size()) == 4 * L &&
                   static_cast<int64_t>(biases.size()) == 4 * L,
-              "decode_stack: per layer 2 norms, 4 linears (kind, kernel, bias each), one K and one V cache");
+              "decode_stack: per layer 2 norms, 4 linears (kind and bias each), one K and one V cache");
   TORCH_CHECK(h_in.dim() == 2 && h_in.size(0) >= 1 && h_in.size(0) <= 64 &&
                   (h_in.scalar_type() == at::kFloat || h_in.scalar_type() == at::kBFloat16),
               "decode_stack: hidden must be float32 or bfloat16 (T <= 64, hidden)");
@@ -168,7 +161,7 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
     TORCH_CHECK(next + count <= linear_tensors.size(), "decode_stack: too few linear tensors for their kinds");
     TORCH_CHECK(!small || (kind == kDense && dtype == at::kFloat), "decode_stack: steps of more than ",
                 skinny_rows, " rows need every linear dense and float32 (linear ", i, ")");
-    linears.push_back({kind, linear_tensors.data() + next, linear_kernels[i], biases.get(i), skinny_rows});
+    linears.push_back({kind, linear_tensors.data() + next, biases.get(i), skinny_rows});
     next += count;
   }
   TORCH_CHECK(next == linear_tensors.size(), "decode_stack: more linear tensors than their kinds take");
@@ -211,7 +204,7 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("decode_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] linear_tensors, "
-        "int[] linear_kinds, int[] linear_kernels, Tensor?[] biases, Tensor[] k_caches, Tensor[] v_caches, "
+        "int[] linear_kinds, Tensor?[] biases, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
         "float eps, float scale, int skinny_rows) -> Tensor");
 }

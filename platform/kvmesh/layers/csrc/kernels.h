@@ -30,4 +30,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, c
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& x);
 
+// quant_gemm.cpp: weight-only int8 / int4 GEMMs for a few rows (AVX2 + FMA + F16C; on other
+// CPUs has_quant_gemm() is false and the two raise). Raw-pointer forms (see the file for the
+// layouts); int4_gemm returns -1 when its scratch buffer cannot be allocated.
+bool has_quant_gemm();
+void int8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* s, int64_t G, int64_t N,
+               float* y);
+int int4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const uint16_t* s, const uint16_t* o,
+              int32_t mode, int64_t G, int64_t N, float* y);
+
 }  // namespace kvmesh_cpu

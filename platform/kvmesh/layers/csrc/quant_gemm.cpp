@@ -8,9 +8,11 @@
  * against up to 4 input rows at a time (a tile shares each converted weight vector).
  * Activations stay float32: results equal dequantize-then-matmul up to summation order.
  *
- * Threads: OpenMP over output rows (each thread streams one contiguous block of rows).
- * The library links libgomp.so.1, which resolves to the copy torch already loaded, so
- * it shares torch's thread pool and thread count.
+ * Threads: OpenMP over output rows (each thread streams one contiguous block of rows), in
+ * torch's OpenMP pool (this file is part of the one native build, layers/native.py).
+ *
+ * CPUs without AVX2 / FMA / F16C get no quantized kernel (`has_quant_gemm()` is false and
+ * the Python side dequantizes then multiplies); decode_stack never sends them one.
  *
  * Layouts (row-major over the output dim N, as in kvmesh/quant/primitives.py):
  *   int8: w (N, K) int8, s (N, K/G) float32 (G == K: per channel):  w[n,k] = q * s[n, k/G]
@@ -25,7 +27,7 @@
  *   The even / odd columns of x (and its group sums) are split once per call into a
  *   scratch buffer, so the nibbles of 16 bytes meet 16 contiguous floats each.
  *
- * AVX-512 (built with -mavx512f -mavx512bw where the CPU has them, see native.py): the same
+ * AVX-512 (where the CPU has AVX-512 F / BW: the build is -march=native, layers/native.py): the same
  * layouts, 16 lanes. An int4 group of 32 weights is then one 16-byte load that widens into a
  * single register (low nibbles = 16 even columns, high = 16 odd ones); the nibbles are scaled
  * before the FMA (2 multiplies a group, shared by the rows) instead of scaling a per-group
@@ -37,9 +39,19 @@
  * and these loops (the prefetch did most of it); its int8 (Q8_0) lm_head 3.9 -> 2.6 ms; the
  * whole step 15.4 -> 11.4 ms (65 -> 88 tok/s).
  */
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstdlib>
+
+#include "kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
+
+namespace kvmesh_cpu {
+namespace {
 
 #define MT_MAX 4
 #define INLINE static inline __attribute__((always_inline))
@@ -228,8 +240,10 @@ INLINE void prefetch_row(const uint8_t* w, const uint16_t* s, const uint16_t* o,
     }
 }
 
+}  // namespace
+
 /* K % 16 == 0, G % 16 == 0, K % G == 0. */
-void kvm_int8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* s, int64_t G,
+void int8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* s, int64_t G,
                    int64_t N, float* y) {
     const int64_t ng = K / G;
     #pragma omp parallel for schedule(static)
@@ -258,12 +272,12 @@ void kvm_int8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const 
 }
 
 /* G % 32 == 0, K % G == 0. Returns 0, or -1 when the scratch buffer cannot be allocated. */
-int kvm_int4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const uint16_t* s,
+int int4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const uint16_t* s,
                   const uint16_t* o, int32_t mode, int64_t G, int64_t N, float* y) {
     const int64_t ng = K / G, hg = G / 2, K2 = K / 2;
     if (M == 0 || N == 0) return 0;
     float* scratch = (float*)malloc(sizeof(float) * (size_t)(M * K + M * ng));
-    if (scratch == NULL) return -1;
+    if (scratch == nullptr) return -1;
     float *xe = scratch, *xo = scratch + M * K2, *xs = scratch + M * K;
     for (int64_t m = 0; m < M; m++) {
         const float* xr = x + m * K;
@@ -301,4 +315,72 @@ int kvm_int4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const 
     }
     free(scratch);
     return 0;
+}
+
+bool has_quant_gemm() { return true; }
+
+}  // namespace kvmesh_cpu
+
+#else  // no AVX2 / FMA / F16C: no quantized kernel (callers check has_quant_gemm first)
+
+namespace kvmesh_cpu {
+void int8_gemm(const float*, int64_t, int64_t, const int8_t*, const float*, int64_t, int64_t, float*) {
+  TORCH_CHECK(false, "kvmesh: the int8 CPU kernel needs AVX2, FMA and F16C");
+}
+int int4_gemm(const float*, int64_t, int64_t, const uint8_t*, const uint16_t*, const uint16_t*, int32_t, int64_t,
+              int64_t, float*) {
+  TORCH_CHECK(false, "kvmesh: the int4 CPU kernel needs AVX2, FMA and F16C");
+}
+bool has_quant_gemm() { return false; }
+}  // namespace kvmesh_cpu
+
+#endif
+
+namespace kvmesh_cpu {
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && qweight.dim() == 2 &&
+                  qweight.scalar_type() == at::kChar && qweight.size(1) == x.size(1) && qweight.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == qweight.size(0),
+              "int8_linear: x float32 (M, K), qweight int8 (N, K), scales float32 (N,) or (N, K / G)");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const int64_t G = scales.dim() == 1 ? K : K / scales.size(1);
+  TORCH_CHECK(K % 16 == 0 && G % 16 == 0 && K % G == 0, "int8_linear: K and the group size must be multiples of 16");
+  auto xc = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  int8_gemm(xc.data_ptr<float>(), M, K, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), G, N,
+            y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& offsets, bool mins) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && qweight.dim() == 2 &&
+                  qweight.scalar_type() == at::kByte && qweight.size(1) * 2 == x.size(1) && qweight.is_contiguous() &&
+                  scales.scalar_type() == at::kHalf && offsets.scalar_type() == at::kHalf && scales.dim() == 2 &&
+                  scales.sizes() == offsets.sizes() && scales.size(0) == qweight.size(0) && scales.is_contiguous() &&
+                  offsets.is_contiguous(),
+              "int4_linear: x float32 (M, K), packed qweight uint8 (N, K / 2), float16 scales and offsets (N, K / G)");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % scales.size(1) == 0 && (K / scales.size(1)) % 32 == 0,
+              "int4_linear: the group size must be a multiple of 32");
+  auto xc = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  const int rc = int4_gemm(xc.data_ptr<float>(), M, K, qweight.data_ptr<uint8_t>(),
+                           static_cast<const uint16_t*>(scales.data_ptr()), static_cast<const uint16_t*>(offsets.data_ptr()),
+                           mins ? 1 : 0, K / scales.size(1), N, y.data_ptr<float>());
+  TORCH_CHECK(rc == 0, "int4_linear: out of memory for the activation scratch buffer");
+  return y;
+}
+
+}  // namespace kvmesh_cpu
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, bool mins) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
+  m.impl("int8_linear", &kvmesh_cpu::int8_linear);
+  m.impl("int4_linear", &kvmesh_cpu::int4_linear);
 }

@@ -1,0 +1,135 @@
+"""The base of every layer with more than one implementation, and what picks it.
+
+In the spirit of vLLM's `CustomOp`: a layer defines `forward_torch` (the PyTorch reference,
+any device) and, where kvmesh has them, `forward_cpu` (the native C++ kernels) and
+`forward_triton` (CUDA). Which one runs is decided once, from an `OpContext` (device, dtype,
+the typed `KernelConfig` switches, the tensor-parallel group), when the layer is built, and
+again when it is moved or cast (`.to()`, `to_empty`): never per call. Model files compose
+layers and never name a backend.
+
+Fast paths that gather many layers' tensors once (layers/decode_stack.py) must notice when
+a layer is rebound, replaced or reloaded: every such change calls `fast_paths_changed()`,
+which bumps a process-wide generation the gatherers compare against.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvmesh.config import KernelConfig
+from kvmesh.errors import ConfigError
+from kvmesh.layers import native
+from kvmesh.layers.triton_runtime import can_run as triton_can_run
+from kvmesh.layers.triton_runtime import unavailable_reason as triton_unavailable
+
+_generation = itertools.count(1)
+GENERATION = 0  # see fast_paths_changed
+
+
+def fast_paths_changed() -> None:
+    """Say that a layer was rebound, replaced or reloaded: gathered fast-path arguments
+    (decode_stack) are stale. Cheap; called by layers and loaders, never per step."""
+    global GENERATION
+    GENERATION = next(_generation)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """The tensor-parallel group a layer's weights are sharded over: world size 1 (no
+    sharding, no communication) unless the engine runs several ranks."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup when size > 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor parallel rank {self.rank} outside world size {self.size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the group, in place (a no-op at world size 1)."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """Everything a layer's backend choice depends on."""
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    tp: TPGroup = field(default_factory=TPGroup)
+
+    @property
+    def native(self) -> bool:
+        """Whether kvmesh's native CPU kernels serve this context (CPU, switched on, built)."""
+        return (self.device.type == "cpu" and self.kernels.cpu_kernels
+                and native.load(self.kernels.native_isa))
+
+    def elementwise_backend(self) -> str:
+        """"cpu", "triton" or "torch" for the element-wise ops (KernelConfig.layer_ops)."""
+        choice = self.kernels.layer_ops
+        if choice == "torch":
+            return "torch"
+        if choice == "triton":
+            if not triton_can_run(self.device):
+                raise ConfigError(f"kernels.layer_ops: triton cannot run on {self.device}: "
+                                  f"{triton_unavailable(self.device)}")
+            return "triton"
+        if self.device.type == "cuda" and triton_can_run(self.device):
+            return "triton"
+        return "cpu" if self.native else "torch"
+
+    def moved(self, device: torch.device, dtype: torch.dtype) -> "OpContext":
+        return replace(self, device=device, dtype=dtype)
+
+
+class CustomOp(nn.Module):
+    """A layer whose implementation is bound at construction (see the module doc).
+
+    Subclasses define `forward_torch` and optionally `forward_cpu` / `forward_triton`, and
+    may override `select` (which backend, from the context) and `bind` (extra methods to bind,
+    thresholds to precompute). `forward` calls the bound method: one attribute read."""
+
+    def __init__(self, ctx: OpContext | None = None):
+        super().__init__()
+        self.ctx = ctx or OpContext()
+        self.backend = ""
+        self._impl = self.forward_torch
+
+    def select(self, ctx: OpContext) -> str:
+        """The backend for `ctx`: the element-wise choice, where this op implements it."""
+        backend = ctx.elementwise_backend()
+        return backend if hasattr(self, f"forward_{backend}") else "torch"
+
+    def bind(self) -> None:
+        """(Re)choose the backend from `self.ctx`. Subclasses call it at the end of __init__."""
+        self.backend = self.select(self.ctx)
+        self._impl = getattr(self, f"forward_{self.backend}")
+        fast_paths_changed()
+
+    def forward(self, *args, **kwargs):
+        return self._impl(*args, **kwargs)
+
+    def forward_torch(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        # Where did `fn` send tensors of this op's device and dtype? (`.to`, `to_empty`,
+        # `.half()`, ...): rebind if it changed either.
+        probe = fn(torch.empty(0, dtype=self.ctx.dtype, device=self.ctx.device))
+        if (probe.device, probe.dtype) != (self.ctx.device, self.ctx.dtype):
+            self.ctx = self.ctx.moved(probe.device, probe.dtype)
+            self.bind()
+        return out
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend}"
