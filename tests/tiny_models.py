@@ -33,6 +33,31 @@ def build_tokenizer(vocab_size: int):
     )
 
 
+def _randomize_parameters(model, seed: int) -> None:
+    """Overwrite EVERY parameter, deterministically from `seed`, so that a loader which drops
+    or misplaces any tensor changes the output (transformers' init leaves biases at 0 and
+    RMSNorm scales at 1, which a dropped tensor would silently reproduce):
+    - 2-D weights (embeddings, projections, lm_head): normal(0, 0.08), larger than the default
+      init so logits are spread out and greedy ties are unlikely;
+    - biases (Llama attention_bias q/k/v/o, Qwen2 q/k/v): normal(0, 0.15);
+    - 1-D scales (RMSNorm weights): 1 + normal(0, 0.2), clamped to [0.5, 1.5].
+    A generator of its own, in `named_parameters` order, so the values depend on the seed
+    and the architecture only, not on how much global RNG the constructor consumed."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied lm_head is listed once
+            if p.dim() == 2:
+                p.copy_(torch.empty(p.shape).normal_(0, 0.08, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(torch.empty(p.shape).normal_(0, 0.15, generator=g))
+            elif p.dim() == 1 and name.endswith(".weight"):  # RMSNorm scales
+                p.copy_((1 + torch.empty(p.shape).normal_(0, 0.2, generator=g)).clamp_(0.5, 1.5))
+            else:
+                raise ValueError(f"tiny model: no randomization rule for parameter {name} {tuple(p.shape)}")
+
+
 def build_tiny_model(
     path: Path,
     *,
@@ -75,13 +100,7 @@ def build_tiny_model(
             common["rope_scaling"] = rope_scaling
         cfg = LlamaConfig(attention_bias=qkv_bias, **common)
         model = LlamaForCausalLM(cfg)
-    # Larger-than-default init so logits are spread out and greedy ties are unlikely.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-            elif "bias" in str(p.shape):
-                pass
+    _randomize_parameters(model, seed)
     model.save_pretrained(path)
     build_tokenizer(vocab_size).save_pretrained(path)
     return path
