@@ -71,6 +71,7 @@ from kvmesh.layers.native import native_bf16
 
 from _common import RESULTS_DIR, check_idle, cpu_flags, cpu_model, load_snapshot, wait_for_idle, write_results
 from _engine_report import plot, render_markdown, summarize
+from _kvmesh_ab import ab_markdown, run_ab
 from _kvmesh_runs import b1_decode, decode_step_time, measure_bandwidth, run_kvmesh, weight_bytes
 from _peer_procs import DEFAULT_LLAMACPP_VENV, DEFAULT_VLLM_VENV, common_prefix, f32_gguf, run_llamacpp, run_vllm
 from _peers import hf_generate, load_hf, run_hf_batch1, run_hf_static, sanity_check
@@ -93,7 +94,7 @@ def save(res: dict, out_dir: Path, prefix: str) -> tuple[list[Path], str]:
     """Write <prefix>.json (raw numbers), .md (tables) and .png (bars); returns (paths, markdown)."""
     # Raw token lists of the big workload stay out of the JSON; the .md and .png are drawn from it.
     clean = {**res, "systems": {k: {f: v for f, v in s.items() if f != "_outputs"} for k, s in res["systems"].items()}}
-    markdown = render_markdown(clean)
+    markdown = render_markdown(clean) + (ab_markdown(res["ab"]) if res.get("ab") else "")
     return write_results(prefix, clean, markdown, plot, out_dir), markdown
 
 
@@ -134,6 +135,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
                    help="also run kvmesh in bf16 (offline and batch-1); auto: where the CPU multiplies bf16 "
                         "natively (AVX512-BF16 / AMX)")
+    p.add_argument("--baseline-src", type=Path, default=None,
+                   help="the platform/ folder of another kvmesh checkout (e.g. the previous commit's worktree): "
+                        "its engine and this one's run the offline workload and batch-1 decode in alternating "
+                        "subprocess rounds (_kvmesh_ab.py)")
+    p.add_argument("--ab-rounds", type=int, default=3, help="A/B rounds with --baseline-src (3)")
     p.add_argument("--wait-idle", type=float, default=0, help="wait up to this many seconds for idle cores first")
     p.add_argument("--smoke", action="store_true",
                    help="tiny end-to-end check (preset smoke, few repeats); writes engine_throughput_smoke.*")
@@ -315,6 +321,12 @@ def main(argv=None) -> dict:
     engine_config = llm.engine.config.model_dump()
     del llm
     gc.collect()
+    ab = None
+    if args.baseline_src is not None:
+        phases["ab"] = load_snapshot()
+        ab = run_ab(args.baseline_src, args.model, workload, warm, b1_prompt, args)
+        print(f"A/B vs {args.baseline_src}: offline {ab['offline_ratio']:.3f}x, batch-1 {ab['b1_ratio']:.3f}x, "
+              f"outputs equal: {ab['outputs_equal']}")
     if args.bf16:
         run_bf16(args, workload, systems, b1, phases)
 
@@ -363,6 +375,7 @@ def main(argv=None) -> dict:
         "b1_decode": b1,
         "peers": peers,
         "sanity": sanity,
+        "ab": ab,
     }
     res["summary"] = summarize(systems, step, bandwidth, wbytes, b1, peers)
     paths, markdown = save(res, args.out_dir, args.prefix)

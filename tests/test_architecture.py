@@ -121,6 +121,8 @@ SAMPLES = {
     ("speculative", "ngram_min"): "2", ("speculative", "ngram_max"): "5",
     ("speculative", "max_batch_size"): "3", ("attention_backend",): "torch",
     ("cuda_graphs",): None, ("cuda_graph_max_batch_size",): "16",
+    ("kernels", "cpu_kernels"): None, ("kernels", "native_isa"): "avx2", ("kernels", "layer_ops"): "torch",
+    ("kernels", "onednn_linear"): None, ("kernels", "small_gemm"): None, ("kernels", "quantized_cpu_gemm"): None,
 }
 
 

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.layers.native import native_bf16
 from kvmesh.layers.op import CustomOp, OpContext, fast_paths_changed
 
 # `split_linear`: inputs with at most this many rows split the weight's output rows (decode-shaped).
@@ -88,8 +89,6 @@ def onednn_dtypes() -> set[torch.dtype]:
     """Weight dtypes oneDNN's packed GEMM serves at every batch size: bf16 pays only where the
     CPU multiplies bf16 natively (there oneDNN does twice the fp32 FLOPs per cycle and reads
     half the bytes); elsewhere bf16 weights are widened to fp32 inside each GEMM."""
-    from kvmesh.layers.native import native_bf16
-
     return {torch.float32, torch.bfloat16} if native_bf16() else {torch.float32}
 
 
