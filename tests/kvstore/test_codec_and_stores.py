@@ -62,18 +62,27 @@ def test_redis_store_basic_pin_and_ttl(redis_server):
     assert store.exists([b"k1", b"k2"]) == [False, True]
 
 
-def test_redis_down_is_a_fast_miss_and_breaker_recovers(redis_server):
-    store = create_store(redis_server.url + "?timeout_ms=50&breaker_cooldown_s=0.3")
+def test_redis_down_is_a_fast_miss_and_breaker_recovers(redis_server, monkeypatch):
+    # A cooldown far longer than the test: no half-open probe can happen by itself however
+    # slow the machine is, so every count below is exact.
+    store = create_store(redis_server.url + "?timeout_ms=50&breaker_cooldown_s=300")
+    assert store.breaker.cooldown_s == 300 and store.breaker.threshold == 3
     store.put_many([(b"k", b"v")], None)
+    reached = []  # MGETs that reached the redis client (each pays a connect / timeout when it is down)
+    real_mget = store._redis.mget
+    monkeypatch.setattr(store._redis, "mget", lambda keys: (reached.append(keys), real_mget(keys))[1])
     redis_server.stop()
-    t0 = time.perf_counter()
     results = [store.get_many([b"k"]) for _ in range(20)]
-    elapsed = time.perf_counter() - t0
     assert results == [[None]] * 20
-    assert store.breaker.trips == 1 and store.skipped >= 15
-    assert elapsed < 1.0  # the breaker stops paying a timeout per call
+    # The breaker stops paying a timeout per call: only the `threshold` calls that opened it
+    # reached redis (and failed); the other 17 were answered without touching it.
+    assert len(reached) == store.errors == store.breaker.threshold
+    assert store.breaker.trips == 1 and store.skipped == 17
     redis_server.start()  # restarted, empty
-    time.sleep(0.35)
-    assert store.get_many([b"k"]) == [None]
+    assert store.get_many([b"k"]) == [None] and len(reached) == 3 and store.skipped == 18  # open: not probed yet
+    store.breaker.opened_at -= store.breaker.cooldown_s  # the cooldown has passed (instead of waiting it out)
+    assert store.get_many([b"k"]) == [None]  # the half-open probe reaches the restarted redis
+    assert len(reached) == 4 and store.errors == 3 and store.breaker.opened_at is None  # closed again
     store.put_many([(b"k", b"v2")], None)
-    assert store.get_many([b"k"]) == [b"v2"]
+    assert store.get_many([b"k"]) == [b"v2"] and len(reached) == 5
+    assert store.stats() == {"errors": 3, "skipped_breaker_open": 18, "breaker_trips": 1}
