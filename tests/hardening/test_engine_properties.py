@@ -199,15 +199,23 @@ def test_step_watchdog_reports_a_wedged_step(engine):
     assert after == (True, "")
 
 
-def test_pin_quota_refuses_at_once_and_normal_requests_still_run(engine):
+def test_pin_quota_refuses_at_once_and_normal_requests_still_run(engine, monkeypatch):
     # 63 usable blocks of 4 tokens: quota 31 blocks (max_pinned_fraction 0.5), floor 16 (max_model_len 64).
     usable = engine.num_usable_blocks
     assert engine.cache_prompt("big", list(range(3, 63))) == 60  # 15 blocks
     assert engine.cache_prompt("second", list(range(100, 160))) == 60  # 30 blocks in all
-    t0 = time.monotonic()
+    free_before = engine.num_free_blocks
+    steps, added = [], []
+    real_step, real_add = engine._step_once, engine.add_request
+    monkeypatch.setattr(engine, "_step_once", lambda: (steps.append(1), real_step())[1])
+    monkeypatch.setattr(engine, "add_request", lambda *a, **k: (added.append(a[0]), real_add(*a, **k))[1])
     with pytest.raises(ResourceExhaustedError) as info:
         engine.cache_prompt("third", list(range(200, 240)))  # 10 more: over the quota
-    assert info.value.field == "max_pinned_fraction" and time.monotonic() - t0 < 1.0
+    # Refused at once: by the quota check, before the pin became a request or any step ran.
+    assert info.value.field == "max_pinned_fraction"
+    assert steps == [] and added == [] and not engine.has_unfinished()
+    assert engine.num_free_blocks == free_before
+    monkeypatch.undo()
     assert engine.pinned_prompts == ["big", "second"]
     engine.add_request("normal", list(range(300, 340)), SamplingParams(max_tokens=20, ignore_eos=True))
     out = None
