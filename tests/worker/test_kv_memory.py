@@ -6,13 +6,15 @@ import gc
 import mmap
 import platform
 import resource
-import time
+import threading
+import weakref
 
 import pytest
 import torch
 
 from kvmesh import SamplingParams
 from kvmesh.build import build_engine
+from kvmesh.worker import kv_memory
 from kvmesh.worker.kv_memory import populate, populate_in_background, zeroed_tensor
 
 CPU = torch.device("cpu")
@@ -60,15 +62,37 @@ def test_allocation_writes_nothing_and_populate_keeps_contents():
     assert torch.count_nonzero(t) == (1 << 18) + 4
 
 
-def test_background_populate_stops_when_the_cache_is_dropped():
+def test_background_populate_stops_when_the_cache_is_dropped(monkeypatch):
+    if not _kernel_populates():
+        pytest.skip("MADV_POPULATE_WRITE needs Linux >= 5.14: the populate thread ends at its first call")
+
+    real = kv_memory._madvise()
+    calls: list[int] = []  # madvise return codes, one per 16 MiB chunk populated
+    first_chunk = threading.Event()
+
+    def counting_madvise():
+        def madvise(addr, length, advice):
+            rc = real(addr, length, advice)
+            calls.append(rc)
+            first_chunk.set()
+            return rc
+        return madvise
+
+    monkeypatch.setattr(kv_memory, "_madvise", counting_madvise)
+    chunks = 16
     t = zeroed_tensor((256, 1 << 18), torch.float32, CPU)  # 256 MiB: 16 chunks
-    thread = populate_in_background([t], duty=0.01)  # ~99x its work asleep: ~10 s if it ran to the end
-    time.sleep(0.2)
+    dropped = weakref.ref(t)
+    thread = populate_in_background([t], duty=0.01)  # ~99x its work asleep after each chunk
+    assert first_chunk.wait(60)
     del t
     gc.collect()
-    began = time.monotonic()
-    thread.join(10)
-    assert not thread.is_alive() and time.monotonic() - began < 5, "the thread kept a dropped cache alive"
+    assert dropped() is None, "the populate thread kept a strong reference to the cache"
+    thread.join(60)  # hang guard
+    assert not thread.is_alive()
+    # It stopped because the weak reference died: every chunk it did succeeded, and it did
+    # not go on to the end of the (freed) cache.
+    assert calls and all(rc == 0 for rc in calls)
+    assert len(calls) < chunks, f"populated all {chunks} chunks of a dropped cache"
 
 
 def test_engine_cache_starts_zero_and_returns_every_block(model_factory):
