@@ -5,6 +5,7 @@ leave the store (real local Ray)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ import pytest
 import ray
 from ray.experimental.internal_kv import _internal_kv_exists, _internal_kv_list, _internal_kv_put
 
+from kvmesh.serve import registry
 from kvmesh.serve.registry import (
     REGISTRY_NAMESPACE,
     GcsRegistry,
@@ -91,20 +93,72 @@ def test_heartbeat_keeps_an_entry_past_the_ttl(app):
         worker.unregister()
 
 
-def test_an_entry_without_heartbeat_expires_and_leaves_the_store(app):
+class _RegistryClock:
+    """Stands in for kvmesh.serve.registry's `time` module (whose only use is `time.time()`,
+    the heartbeat timestamps and the view's "now"), so a test sets the registry's clock
+    instead of waiting on the wall clock. Counts reads: each view refresh reads it once."""
+
+    def __init__(self, now: float):
+        self.now = now
+        self.reads = 0
+        self._cond = threading.Condition()
+
+    def time(self) -> float:
+        with self._cond:
+            self.reads += 1
+            self._cond.notify_all()
+            return self.now
+
+    def wait_refreshes(self, n: int, timeout_s: float = 30.0) -> None:
+        """Until `n` more reads: the refresh of the last one started after this call, so
+        every refresh before it (one that saw the clock as it is now) has finished."""
+        with self._cond:
+            target = self.reads + n
+            assert self._cond.wait_for(lambda: self.reads >= target, timeout_s), "the view stopped refreshing"
+
+
+def test_an_entry_without_heartbeat_expires_and_leaves_the_store(app, monkeypatch):
     # A replica that died without unregistering: its last heartbeat stays in the store.
+    clock = _RegistryClock(1_000_000.0)
+    monkeypatch.setattr(registry, "time", clock)
     key = _key(app, "10.0.0.4:7000")
-    _internal_kv_put(key, json.dumps({"role": "decode", "t": time.time()}), namespace=REGISTRY_NAMESPACE)
+    _internal_kv_put(key, json.dumps({"role": "decode", "t": clock.now}), namespace=REGISTRY_NAMESPACE)
     view = GcsRegistry(app, ttl_s=1.0, poll_s=POLL_S)
     try:
         view.wait_first_view(10)
         assert view.addresses() == ["10.0.0.4:7000"]
-        t0 = time.monotonic()
-        assert _until(lambda: view.addresses() == [])
-        assert 0.5 < time.monotonic() - t0 < 3
-        assert _until(lambda: not _internal_kv_exists(key, namespace=REGISTRY_NAMESPACE), 2)
+        clock.now += 1.0  # exactly the TTL after the last heartbeat: still in
+        clock.wait_refreshes(2)
+        assert view.addresses() == ["10.0.0.4:7000"]
+        assert _internal_kv_exists(key, namespace=REGISTRY_NAMESPACE)
+        clock.now += 0.01  # past the TTL: out of the view, then out of the store
+        assert _until(lambda: view.addresses() == [], 30)  # (hang guards)
+        assert _until(lambda: not _internal_kv_exists(key, namespace=REGISTRY_NAMESPACE), 30)
     finally:
         view.close()
+
+
+def test_a_heartbeat_renews_the_entry(app, monkeypatch):
+    """The mechanism that keeps a live worker in: each heartbeat rewrites the entry with the
+    current time, so the TTL counts from the last one (the registry's clock, not the wall's)."""
+    clock = _RegistryClock(2_000_000.0)
+    monkeypatch.setattr(registry, "time", clock)
+    worker = GcsWorkerRegistration(app, "10.0.0.8:7000", "decode", ttl_s=60)
+    worker._put()  # one heartbeat, written at the registry clock's time (no heartbeat thread)
+    view = GcsRegistry(app, ttl_s=1.0, poll_s=POLL_S)
+    try:
+        view.wait_first_view(10)
+        assert view.addresses() == ["10.0.0.8:7000"]
+        clock.now += 0.9
+        worker._put()  # the next heartbeat, 0.9 s later
+        clock.now += 0.9  # 1.8 s after the first heartbeat, 0.9 s after the last: still in
+        clock.wait_refreshes(2)
+        assert view.addresses() == ["10.0.0.8:7000"]
+        clock.now += 0.2  # 1.1 s after the last heartbeat: expired
+        assert _until(lambda: view.addresses() == [], 30)
+    finally:
+        view.close()
+        worker.unregister()
 
 
 def test_apps_are_separate(app):
