@@ -59,8 +59,10 @@ def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     if (top_p < 1).any():
         sorted_x, idx = x.sort(dim=-1, descending=True)
         cum = sorted_x.softmax(-1).cumsum(-1)
-        # drop a token when the mass before it already reaches top_p (keeps >= 1)
-        drop = (cum - sorted_x.softmax(-1)) >= top_p[:, None]
+        # drop a token when the mass before it already reaches top_p (keeps >= 1); rows without
+        # top-p keep everything: their float32 cumsum can round up to 1.0 before the tail, and a
+        # request's distribution must not depend on what it is batched with
+        drop = ((cum - sorted_x.softmax(-1)) >= top_p[:, None]) & (top_p < 1)[:, None]
         x = x.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
     return x
 
