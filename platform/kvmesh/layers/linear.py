@@ -183,8 +183,8 @@ class Linear(CustomOp):
                         and dtype in onednn_dtypes())
         self._packed = None
         self._base = self._impl
-        reduce = self.parallel == "row" and ctx.tp.size > 1
-        if self.delta is not None or reduce:
+        self._reduce = self.parallel == "row" and ctx.tp.size > 1
+        if self.delta is not None or self._reduce:
             self._impl = self._forward_composed
 
     def set_delta(self, delta: Delta | None) -> None:
@@ -195,11 +195,10 @@ class Linear(CustomOp):
     def _forward_composed(self, x: torch.Tensor) -> torch.Tensor:
         """The base GEMM with a LoRA delta and / or a row-parallel all-reduce around it: each
         rank adds its shard's delta before the reduce, the bias is added once, after it."""
-        reduce = self.parallel == "row" and self.ctx.tp.size > 1
-        y = self._gemm(x, None) if reduce else self._base(x)
+        y = self._gemm(x, None) if self._reduce else self._base(x)
         if self.delta is not None:
             y = self.delta(x, y)
-        if reduce:
+        if self._reduce:
             y = self.ctx.tp.all_reduce(y)
             if self.bias is not None:
                 y = y + self.bias

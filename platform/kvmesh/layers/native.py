@@ -43,7 +43,7 @@ QUANT_GEMM_FLAGS = frozenset({"avx2", "fma", "f16c"})
 ISA_CAPS = ("native", "avx2")
 
 _lock = threading.Lock()
-_loaded: dict[str, str | bool] = {}  # "ok": bool, "isa_cap": the cap it was built with
+_loaded: dict[str, str | bool] = {}  # "ok", "quant": bool; "isa_cap": the cap it was built with
 
 
 class NativeBuildError(KVMeshError, RuntimeError):
@@ -82,10 +82,11 @@ def native_bf16() -> bool:
 def has_quant_gemm() -> bool:
     """Whether the native build has the int8 / int4 GEMM (it needs AVX2, FMA and F16C);
     loads the build (with the ISA of an earlier load) on first use."""
-    ok = _loaded.get("ok")
-    if ok is None:
-        ok = load()
-    return bool(ok) and QUANT_GEMM_FLAGS <= cpu_flags()
+    quant = _loaded.get("quant")  # per quantized matmul: one dict read once known
+    if quant is None:
+        quant = _loaded["quant"] = (load(str(_loaded.get("isa_cap", "native")))
+                                    and QUANT_GEMM_FLAGS <= cpu_flags())
+    return bool(quant)
 
 
 def _compiler() -> str | None:

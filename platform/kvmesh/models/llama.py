@@ -159,7 +159,8 @@ class LlamaForCausalLM(nn.Module):
                 owner.weight_loader(param, tensor, shard)
                 loaded.add(f"{target}:{shard}")
             else:
-                getattr(owner, "weight_loader", lambda p, t, s=None: default_weight_loader(p, t))(param, tensor)
+                loader = getattr(owner, "weight_loader", None)  # layers' loaders copy their TP slice
+                (loader or default_weight_loader)(param, tensor)
                 loaded.add(target)
         expected = set()
         for pname, param in params.items():
