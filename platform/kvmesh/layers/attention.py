@@ -69,7 +69,11 @@ class AttentionBackend(Protocol):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """`window`: a sliding-window layer's window (a query at position p sees keys in
+        (p - window, p]); None: full causal attention."""
+        ...
 
 
 class TorchAttentionBackend:
@@ -126,7 +130,8 @@ class TorchAttentionBackend:
             masks.append(torch.zeros(q_pos.shape[0], s.ctx_len, device=self.device)
                          .masked_fill_(k_pos > q_pos, float("-inf")))
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D)."""
         k_cache, v_cache = kv_cache
         nb, bs, kvh, d = k_cache.shape

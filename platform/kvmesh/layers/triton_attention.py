@@ -248,7 +248,7 @@ class TritonAttentionBackend:
         return TritonAttentionMetadata(slot_mapping, block_table.shape[0], block_table, context_lens, max_ctx)
 
     def forward(self, q, k, v, kv_cache, meta: TritonAttentionMetadata, scale: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D), into `out` when given."""
         k_cache, v_cache = kv_cache
         t, h, d = q.shape
