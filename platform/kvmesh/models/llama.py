@@ -127,6 +127,10 @@ def runs_decode_stack(cfg: ArchConfig) -> bool:
             and not cfg.norm_offset and not cfg.embed_scale and all(w is None for w in cfg.layer_windows))
 
 
+# Architectures whose checkpoints store q/k/v and gate/up already fused (`qkv_proj`, `gate_up_proj`).
+FUSED_CHECKPOINTS = {"Phi3ForCausalLM"}
+
+
 class CausalLMWeights(nn.Module):
     """Checkpoint loading shared by the decoders: HF tensor names to fused parameters."""
 
@@ -218,6 +222,8 @@ class LlamaForCausalLM(CausalLMWeights):
             raise ValueError("tensor parallelism: the model layers shard, but the embedding and lm_head are "
                              "not vocab-parallel yet; run with tensor parallel size 1")
         self.cfg, self.max_positions = cfg, max_positions
+        if cfg.architecture in FUSED_CHECKPOINTS:
+            self.packed_modules = {}  # its checkpoint names are the fused modules' own
         self.model = LlamaModel(cfg, max_positions, ctx)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ctx=ctx)
         if cfg.tie_word_embeddings:
