@@ -31,7 +31,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, ctx: OpContext):
+    def __init__(self, cfg: ArchConfig, ctx: OpContext, layer_idx: int = 0):
         super().__init__()
         tp = ctx.tp.size
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
@@ -41,11 +41,12 @@ class LlamaAttention(nn.Module):
         self.rope = RotaryQKV(self.num_heads, self.num_kv_heads, self.head_dim, ctx)
         self.q_size = self.num_heads * self.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.window = cfg.layer_windows[layer_idx]  # None: full attention
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
         q, k, v = self.rope(self.qkv_proj(x), cos, sin)  # (T, H, D), (T, KVH, D), (T, KVH, D)
-        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -62,10 +63,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, ctx: OpContext):
+    def __init__(self, cfg: ArchConfig, ctx: OpContext, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
-        self.self_attn = LlamaAttention(cfg, ctx)
+        self.self_attn = LlamaAttention(cfg, ctx, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
         self.mlp = LlamaMLP(cfg, ctx)
 
@@ -77,14 +78,14 @@ class LlamaDecoderLayer(nn.Module):
     def stack_layer(self) -> StackLayer:
         attn, mlp = self.self_attn, self.mlp
         return StackLayer(self.input_layernorm, attn.qkv_proj, attn.o_proj, self.post_attention_layernorm,
-                          mlp.gate_up_proj, mlp.down_proj)
+                          mlp.gate_up_proj, mlp.down_proj, attn.window)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int, ctx: OpContext):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
         self.rotary = RotaryEmbedding(cfg, max_positions)
 
