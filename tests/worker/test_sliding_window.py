@@ -122,3 +122,153 @@ def test_triton_matches_dense_windowed(window, bs, sms):
     be = TritonAttentionBackend(bs, device)
     be.num_sms = sms
     _check_backend(be, device, window, bs, 4, 2, 32, seed=window)
+
+
+# -- kvmesh vs transformers -----------------------------------------------------------
+
+MAX_NEW = 10
+WINDOW = 8
+MISTRAL = dict(architecture="mistral", sliding_window=WINDOW)
+# Qwen2 with its first layer full and the others sliding (max_window_layers=1): every block
+# is kept, the sliding layers skip the keys before their window.
+MIXED = dict(architecture="qwen2", num_kv_heads=1, sliding_window=WINDOW,
+             extra={"max_window_layers": 1,
+                    "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]})
+
+
+def _prompts(vocab: int, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _check(path, engine_kwargs, lengths=(1, 5, 17, 33, 64, 9), prompts=None, rtol=1e-3):
+    """Greedy tokens and per-step logits equal transformers'; every block back when idle."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import assert_logits_close, hf_greedy, hf_step_logits, run_collecting_logits
+    from kvmesh import SamplingParams
+    from kvmesh.build import build_engine
+
+    torch.set_num_threads(1)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = build_engine(model=str(path), progress=False, **engine_kwargs)
+    prompts = prompts or _prompts(hf.config.vocab_size, lengths)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    tokens, logits = run_collecting_logits(engine, prompts, params)
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        assert tokens[rid] == hf_greedy(hf, prompt, MAX_NEW), f"prompt {i} (len {len(prompt)})"
+        assert_logits_close(torch.stack(logits[rid]), hf_step_logits(hf, prompt, tokens[rid]), rtol)
+    assert engine.num_free_blocks == engine.num_usable_blocks
+    return engine
+
+
+def test_arch_windows(model_factory):
+    from kvmesh.models.loader import load_arch_config
+
+    mistral, mixed = load_arch_config(model_factory(**MISTRAL)), load_arch_config(model_factory(**MIXED))
+    assert mistral.layer_windows == (WINDOW,) * 3 and mistral.kv_window == WINDOW
+    assert mixed.layer_windows == (None, WINDOW, WINDOW) and mixed.kv_window is None
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("model", ["mistral", "mixed"])
+def test_matches_transformers_chunked(model_factory, backend, model):
+    """Chunks of 7 tokens: most chunks start past the window, decodes read only the window."""
+    engine = _check(model_factory(**(MISTRAL if model == "mistral" else MIXED)),
+                    dict(block_size=4, num_blocks=256, max_num_batched_tokens=7, attention_backend=backend))
+    assert engine.kv_manager.sliding_window == (WINDOW if model == "mistral" else None)
+
+
+def test_matches_transformers_unchunked_and_block_size_one(model_factory):
+    _check(model_factory(**MISTRAL), dict(block_size=16, num_blocks=64))
+    _check(model_factory(**MISTRAL), dict(block_size=1, num_blocks=1024), lengths=(3, 20, 41))
+
+
+@pytest.mark.parametrize("model", ["mistral", "mixed"])
+def test_prefix_cache_hits(model_factory, model):
+    """The same long prefix twice (and a third time after the first two finished): the
+    later requests start from cached blocks, the dropped ones standing in as the null block."""
+    path = model_factory(**(MISTRAL if model == "mistral" else MIXED))
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, 384, (45,), generator=g).tolist()
+    prompts = [shared + [5, 6, 7], shared + [9], shared, shared[:30] + [11, 12]]
+    engine = _check(path, dict(block_size=4, num_blocks=256, max_num_batched_tokens=16), prompts=prompts)
+    assert engine.kv_manager.hit_tokens > 0
+    hits_before = engine.kv_manager.hit_tokens
+    _check_again = _check  # a fresh engine, prompts in one batch again: hits within a step too
+    _check_again(path, dict(block_size=4, num_blocks=256), prompts=prompts)
+    assert hits_before > 0
+
+
+def test_prefix_hit_after_the_prefix_head_was_evicted(model_factory):
+    """Mistral: a hit needs only the blocks in the window of its first computed token, so it
+    survives the eviction of the prompt's first blocks, and equals transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import assert_logits_close, hf_step_logits, run_collecting_logits
+    from kvmesh import SamplingParams
+    from kvmesh.build import build_engine
+    from kvmesh.engine.hashing import block_hashes
+
+    path = model_factory(**MISTRAL)
+    torch.set_num_threads(1)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # 19 usable blocks; the first request passes through 16 of them (64 tokens), dropping
+    # its head first, so the oldest free blocks after it are 3 never used, then its head.
+    engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=20, max_num_batched_tokens=8)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 384, (60,), generator=g).tolist()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    first, _ = run_collecting_logits(engine, [prompt], params)
+    # 12 more blocks (48 tokens) evict the 3 unused ones and the prompt's first 9.
+    other = torch.randint(3, 384, (44,), generator=g).tolist()
+    run_collecting_logits(engine, [other], params)
+    kv = engine.kv_manager
+    hashes = block_hashes(prompt, 4, kv.fingerprint, [], None)
+    assert kv.pool.get_cached_block(hashes[0]) is None, "the prompt's first block should be evicted"
+    assert all(kv.pool.get_cached_block(h) is not None for h in hashes[12:14])
+    before = kv.hit_tokens
+    tokens, logits = run_collecting_logits(engine, [prompt], params)
+    assert kv.hit_tokens - before == 56  # (60 - 1) // 4 whole blocks
+    assert tokens == first
+    assert_logits_close(torch.stack(logits["r0"]), hf_step_logits(hf, prompt, tokens["r0"]))
+    assert engine.num_free_blocks == engine.num_usable_blocks
+
+
+def test_preemption_recomputes(model_factory):
+    """Few blocks: requests are preempted and recomputed; outputs do not change."""
+    engine = _check(model_factory(**MISTRAL),
+                    dict(block_size=4, num_blocks=8, max_model_len=120, max_num_batched_tokens=8),
+                    lengths=(40, 33, 50, 21, 64, 9))
+    assert engine.stats()["num_preemptions"] > 0
+
+
+def test_prompt_longer_than_the_cache(model_factory):
+    """Mistral: 15 usable blocks hold 60 tokens, yet a 150-token prompt is served (a window's
+    worth of blocks at a time)."""
+    engine = _check(model_factory(**MISTRAL),
+                    dict(block_size=4, num_blocks=16, max_model_len=200, max_num_batched_tokens=8),
+                    lengths=(150, 90))
+    assert engine.max_model_len == 200
+
+
+def test_ngram_speculative_decoding(model_factory):
+    """Verification rolls rejected drafts back; the window's blocks must stay."""
+    g = torch.Generator().manual_seed(1)
+    loop = torch.randint(3, 384, (6,), generator=g).tolist()
+    engine = _check(model_factory(**MISTRAL),
+                    dict(block_size=4, num_blocks=256, max_num_batched_tokens=16,
+                         speculative={"method": "ngram", "num_speculative_tokens": 3}),
+                    prompts=[loop * 6, loop * 3 + [7, 8], list(range(3, 30))])
+    assert engine.kv_manager.sliding_window == WINDOW
+
+
+@pytest.mark.skipif(not (TRITON_AVAILABLE and (INTERPRET or torch.cuda.is_available())),
+                    reason="triton not installed, or no GPU and TRITON_INTERPRET unset")
+def test_triton_backend_matches_transformers(model_factory):
+    """The Triton kernels (interpreted on CPU here) in a whole engine: chunked prefill past the window."""
+    device = "cpu" if INTERPRET else "cuda"
+    _check(model_factory(**MISTRAL), dict(block_size=4, num_blocks=128, max_num_batched_tokens=12,
+                                          attention_backend="triton", device=device, dtype="float32"),
+           lengths=(3, 29))

@@ -81,8 +81,11 @@ class LLMEngine:
         self.max_model_len = model.max_model_len
         self.eos_token_id = model.eos_token_id
         cc, sc = config.cache, config.scheduler
+        # A draft model's cache shares the target's block ids and catches up from behind the
+        # target's window (its first proposal prefills from position 0): keep every block.
+        window = model.kv_window if executor.proposer_method != "draft" else None
         self.kv_manager = KVCacheManager(executor.num_blocks, cc.block_size, model.fingerprint,
-                                         cc.enable_prefix_caching)
+                                         cc.enable_prefix_caching, sliding_window=window)
         self.kv_connector = kv_connector
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_seqs, sc.max_num_batched_tokens, model.max_model_len,
                                    kv_loader=kv_loader if kv_loader is not None else kv_connector)
