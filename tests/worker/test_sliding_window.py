@@ -193,12 +193,9 @@ def test_prefix_cache_hits(model_factory, model):
     g = torch.Generator().manual_seed(7)
     shared = torch.randint(3, 384, (45,), generator=g).tolist()
     prompts = [shared + [5, 6, 7], shared + [9], shared, shared[:30] + [11, 12]]
-    engine = _check(path, dict(block_size=4, num_blocks=256, max_num_batched_tokens=16), prompts=prompts)
-    assert engine.kv_manager.hit_tokens > 0
-    hits_before = engine.kv_manager.hit_tokens
-    _check_again = _check  # a fresh engine, prompts in one batch again: hits within a step too
-    _check_again(path, dict(block_size=4, num_blocks=256), prompts=prompts)
-    assert hits_before > 0
+    for budget in (16, 256):  # chunked: hits on the first request's blocks; whole: hits within a step
+        engine = _check(path, dict(block_size=4, num_blocks=256, max_num_batched_tokens=budget), prompts=prompts)
+        assert engine.kv_manager.hit_tokens > 0
 
 
 def test_prefix_hit_after_the_prefix_head_was_evicted(model_factory):
@@ -253,15 +250,43 @@ def test_prompt_longer_than_the_cache(model_factory):
     assert engine.max_model_len == 200
 
 
-def test_ngram_speculative_decoding(model_factory):
-    """Verification rolls rejected drafts back; the window's blocks must stay."""
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "draft", "model": "self", "num_speculative_tokens": 3},
+    {"method": "draft", "model": "DRAFT", "num_speculative_tokens": 2},
+])
+def test_speculative_decoding(model_factory, spec):
+    """Verification rolls rejected drafts back (ngram: the window's blocks must survive it);
+    a draft model shares the target's block ids and catches up from behind the window, so
+    with one the engine keeps every block. Greedy output equals no speculation and transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import hf_greedy
+    from kvmesh import SamplingParams
+    from kvmesh.llm import LLM
+
+    torch.set_num_threads(1)
+    path = model_factory(**MISTRAL)
+    if spec.get("model") == "DRAFT":  # other weights: many rejections
+        spec = {**spec, "model": str(model_factory(**MISTRAL, seed=7, num_layers=1))}
     g = torch.Generator().manual_seed(1)
-    loop = torch.randint(3, 384, (6,), generator=g).tolist()
-    engine = _check(model_factory(**MISTRAL),
-                    dict(block_size=4, num_blocks=256, max_num_batched_tokens=16,
-                         speculative={"method": "ngram", "num_speculative_tokens": 3}),
-                    prompts=[loop * 6, loop * 3 + [7, 8], list(range(3, 30))])
-    assert engine.kv_manager.sliding_window == WINDOW
+    loops = [torch.randint(3, 384, (n,), generator=g).tolist() for n in (6, 4, 9)]
+    prompts = [loops[0] * 6, loops[1] * 3 + [7, 8], loops[2] * 2 + list(range(3, 20))]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    kw = dict(progress=False, block_size=4, num_blocks=256, max_model_len=256, max_num_batched_tokens=16)
+    ref = [o.outputs[0].token_ids for o in LLM(str(path), **kw).generate(prompts, greedy)]
+    llm = LLM(str(path), speculative=spec, **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert got == ref
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == hf_greedy(hf, prompt, 24)
+    stats = llm.engine.stats()
+    assert stats["spec_proposed_tokens"] > 0
+    if spec.get("model") != "self":  # rejections happened (ngram too: a random model ignores the loops)
+        assert stats["spec_acceptance_rate"] < 1.0
+    assert llm.engine.kv_manager.sliding_window == (WINDOW if spec["method"] == "ngram" else None)
+    assert llm.engine.num_free_blocks == llm.engine.num_usable_blocks
 
 
 @pytest.mark.skipif(not (TRITON_AVAILABLE and (INTERPRET or torch.cuda.is_available())),
@@ -272,3 +297,58 @@ def test_triton_backend_matches_transformers(model_factory):
     _check(model_factory(**MISTRAL), dict(block_size=4, num_blocks=128, max_num_batched_tokens=12,
                                           attention_backend="triton", device=device, dtype="float32"),
            lengths=(3, 29))
+
+
+@pytest.mark.skipif(not native.load(), reason="CPU kernels need a C++ compiler")
+@pytest.mark.parametrize("model", ["mistral", "mixed"])
+def test_decode_stack_honours_per_layer_windows(model_factory, stack_calls, monkeypatch, model):
+    """The whole-stack decode op takes each layer's window: same bits as the layer loop,
+    and transformers' tokens, on contexts past the window."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import assert_logits_close, hf_greedy, hf_step_logits, stack_then_loop
+    from kvmesh.build import build_engine
+
+    torch.set_num_threads(1)
+    path = model_factory(**(MISTRAL if model == "mistral" else MIXED))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _prompts(hf.config.vocab_size, (1, 4, 13, 30), seed=1)
+    tokens, logits = stack_then_loop(
+        lambda: build_engine(model=str(path), progress=False, block_size=4, num_blocks=128), prompts,
+        stack_calls, monkeypatch)
+    for i, prompt in enumerate(prompts):
+        assert tokens[i] == hf_greedy(hf, prompt, 12), f"prompt {i} (len {len(prompt)})"
+        assert_logits_close(logits[i], hf_step_logits(hf, prompt, tokens[i]))
+
+
+@pytest.mark.skipif(not (TRITON_AVAILABLE and INTERPRET), reason="runs the Triton kernels interpreted on CPU")
+def test_triton_decode_graphs_with_a_window(model_factory):
+    """Decode graphs (replayed through EagerRecorder) fix the split plan at max_model_len;
+    a window shortens it, and each replay starts at its own context's window."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import hf_greedy
+    from kvmesh import SamplingParams
+    from kvmesh.build import build_engine
+    from kvmesh.worker.cuda_graphs import EagerRecorder
+
+    torch.set_num_threads(1)
+    path = model_factory(**MISTRAL)
+    engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=96, max_model_len=64,
+                          max_num_batched_tokens=7, attention_backend="triton", layer_ops="triton")
+    runner = engine.executor.runner
+    runner._capture_graphs(4, 64, EagerRecorder())
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _prompts(hf.config.vocab_size, (3, 19, 11))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    for i, prompt in enumerate(prompts):
+        assert done[f"r{i}"] == hf_greedy(hf, prompt, 6)
+    assert runner.graphs.replays > 0
+    assert engine.num_free_blocks == engine.num_usable_blocks
