@@ -352,3 +352,27 @@ def test_triton_decode_graphs_with_a_window(model_factory):
         assert done[f"r{i}"] == hf_greedy(hf, prompt, 6)
     assert runner.graphs.replays > 0
     assert engine.num_free_blocks == engine.num_usable_blocks
+
+
+def test_held_kv_must_fit_the_whole_cache(model_factory):
+    """A request that holds its KV (P/D prefill, pinned prompt) keeps every block: past the
+    cache it is refused at once, not preempted forever; one that fits runs and is released."""
+    from kvmesh import SamplingParams
+    from kvmesh.build import build_engine
+    from kvmesh.errors import ResourceExhaustedError
+
+    engine = build_engine(model=str(model_factory(**MISTRAL)), progress=False, block_size=4, num_blocks=16,
+                          max_model_len=200, max_num_batched_tokens=8)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    with pytest.raises(ResourceExhaustedError, match="KV blocks"):
+        engine.add_request("long", list(range(3, 103)), one, hold_kv=True)
+    engine.add_request("long-free", list(range(3, 103)), one)  # freed as it goes: served
+    engine.add_request("short", list(range(3, 43)), one, hold_kv=True)
+    held = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                held[out.request_id] = out.held_block_ids
+    assert held["long-free"] is None and len(held["short"]) == 10 and 0 not in held["short"]
+    engine.release_kv("short")
+    assert engine.num_free_blocks == engine.num_usable_blocks
