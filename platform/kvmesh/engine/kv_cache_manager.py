@@ -159,8 +159,11 @@ class KVCacheManager:
         total = num_computed + num_new_tokens
         keep_all = self.sliding_window is None or request.hold_kv
         if blocks is not None:
-            # Whatever the allocation's outcome, blocks before this chunk's window are done.
+            # Whatever the allocation's outcome, blocks before this chunk's window are done
+            # (registered first: a speculative step can complete a block and pass its window).
             if not keep_all:
+                if self.enable_prefix_caching:
+                    self._cache_full_blocks(request, blocks, num_computed)
                 self._drop_outside_window(rid, blocks, num_computed)
             hits: list[KVBlock] = []
             skip = 0
@@ -206,7 +209,7 @@ class KVCacheManager:
             return
         self.update_block_hashes(request)
         for i in range(start, num_full):
-            if blocks[i] is not self.pool.null_block:  # (dropped before it was full: nothing to register)
+            if blocks[i] is not self.pool.null_block:  # (never registered: it stands for a dropped block)
                 self.pool.cache_full_block(blocks[i], request.block_hashes[i])
         self._num_cached[request.request_id] = num_full
 
