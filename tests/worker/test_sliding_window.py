@@ -376,3 +376,30 @@ def test_held_kv_must_fit_the_whole_cache(model_factory):
     assert held["long-free"] is None and len(held["short"]) == 10 and 0 not in held["short"]
     engine.release_kv("short")
     assert engine.num_free_blocks == engine.num_usable_blocks
+
+
+def test_shared_store_round_trip(model_factory):
+    """Blocks are saved to the store as they complete, before the window drops them; after the
+    local prefix cache is reset a second request loads them back and matches transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import hf_greedy
+    from kvmesh import SamplingParams
+    from kvmesh.llm import LLM
+
+    torch.set_num_threads(1)
+    path = model_factory(**MISTRAL)
+    llm = LLM(str(path), progress=False, block_size=4, num_blocks=64, max_model_len=256,
+              max_num_batched_tokens=8, kv_store="memory")
+    g = torch.Generator().manual_seed(11)
+    prefix = torch.randint(3, 384, (48,), generator=g).tolist()
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm.generate(prefix + [5, 6, 7], greedy)
+    llm.engine.kv_connector.flush()
+    assert llm.reset_prefix_cache()
+    prompt = prefix + [9, 10]
+    out = llm.generate(prompt, greedy)[0]
+    assert out.num_cached_tokens == 48  # from the store
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
+    assert llm.engine.num_free_blocks == llm.engine.num_usable_blocks
