@@ -29,6 +29,9 @@ CONFIGS = {
                    extra={"layer_types": GEMMA_LAYERS}),
     "gemma3-head-dim-32": dict(architecture="gemma3", tie_word_embeddings=True, head_dim=32, sliding_window=12,
                                extra={"layer_types": GEMMA_LAYERS}),
+    # Gemma-3-270M's attention shape: head_dim 256, one KV head for 4 query heads
+    "gemma3-head-dim-256": dict(architecture="gemma3", tie_word_embeddings=True, head_dim=256, num_kv_heads=1,
+                                sliding_window=8, extra={"layer_types": GEMMA_LAYERS}),
     "qwen3-sliding": dict(architecture="qwen3", sliding_window=8),
     "mixtral": dict(architecture="mixtral"),
     "mixtral-sliding": dict(architecture="mixtral", sliding_window=8),
