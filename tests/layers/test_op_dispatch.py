@@ -124,3 +124,24 @@ def test_isa_cap_is_per_process():
         native.load("avx2" if native._loaded["isa_cap"] == "native" else "native")
     with pytest.raises(ValueError, match="native_isa"):
         native.load("avx9000")
+
+
+def test_a_killed_builds_lock_is_cleared_a_live_ones_kept(tmp_path, monkeypatch):
+    """torch's build lock outlives a build killed mid-way; left there, every later process
+    would wait on it forever. One far older than any build is removed, a fresh one kept."""
+    import os
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "kvmesh_test_ext" / "lock"
+    assert str(lock.parent) == _get_build_directory("kvmesh_test_ext", verbose=False)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    native._clear_stale_lock("kvmesh_test_ext")
+    assert lock.exists()  # a build may be running: wait for it
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    native._clear_stale_lock("kvmesh_test_ext")
+    assert not lock.exists()

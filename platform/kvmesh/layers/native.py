@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -118,6 +119,26 @@ def loaded() -> bool:
     return bool(_loaded.get("ok"))
 
 
+# A build takes ~2 minutes on 2 cores; a lock older than this is a killed build's.
+STALE_LOCK_S = 900
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's build lock (a file, no owner recorded) outlives a build killed mid-way (Ctrl-C,
+    an OOM kill), and every later process would wait on it forever: drop it when it is far
+    older than any build."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("kvmesh: removing a stale native-kernel build lock (%s, %.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def _build(isa_cap: str) -> bool:
     from torch.utils.cpp_extension import load as build
 
@@ -132,8 +153,10 @@ def _build(isa_cap: str) -> bool:
              "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
     if isa_cap == "avx2":
         flags.append("-mno-avx512f")  # turns off every AVX-512 subset
+    name = f"kvmesh_cpu_kernels_{isa(isa_cap)}_{digest[:10]}"
+    _clear_stale_lock(name)
     try:
-        build(name=f"kvmesh_cpu_kernels_{isa(isa_cap)}_{digest[:10]}", sources=[str(_CSRC / n) for n in SOURCES],
+        build(name=name, sources=[str(_CSRC / n) for n in SOURCES],
               extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # the compiler's output is in the message
         if "avx2" in cpu_flags():
