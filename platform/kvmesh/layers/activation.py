@@ -1,5 +1,6 @@
-"""SiLU-and-mul, the gated MLP's activation: silu(gate) * up for the fused (T, 2I) gate-up
-projection. Backends: torch, cpu (csrc/fused_ops.cpp), triton (triton_ops.py)."""
+"""The gated MLP's activation on the fused (T, 2I) gate-up projection: silu(gate) * up
+(Llama family; backends torch, cpu (csrc/fused_ops.cpp), triton (triton_ops.py)) and
+gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh`; torch)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,16 @@ class SiluAndMul(CustomOp):
 
     def forward_triton(self, gate_up: torch.Tensor) -> torch.Tensor:
         return triton_ops.silu_and_mul(gate_up)
+
+
+class GeluTanhAndMul(CustomOp):
+    def __init__(self, ctx: OpContext | None = None):
+        super().__init__(ctx)
+        self.bind()
+
+    def forward_torch(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}

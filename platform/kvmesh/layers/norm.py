@@ -3,6 +3,9 @@
     rms_norm(x)         = w * to_dtype(x * rsqrt(mean(x^2) + eps))    (math in float32)
     add_forward(h, a)   = (h + a, rms_norm(h + a))
 
+Gemma's norms (`offset=1`) store a zero-centred weight and scale by (1 + w), in float32
+before the cast: to_dtype(x * rsqrt(mean(x^2) + eps) * (1 + w)).
+
 Backends: torch (the reference: normalize in float32, scale in the model dtype, as
 transformers does), cpu (csrc/fused_ops.cpp), triton (triton_ops.py); same numbers up to
 float summation order.
@@ -17,11 +20,15 @@ from kvmesh.layers.op import CustomOp, OpContext
 
 
 class RMSNorm(CustomOp):
-    def __init__(self, dim: int, eps: float, ctx: OpContext | None = None):
+    def __init__(self, dim: int, eps: float, ctx: OpContext | None = None, offset: float = 0.0):
         super().__init__(ctx)
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = torch.nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.bind()
+
+    def select(self, ctx: OpContext) -> str:
+        # The kernels scale by w; Gemma's (1 + w) in float32 runs on the reference.
+        return "torch" if self.offset else super().select(ctx)
 
     def bind(self) -> None:
         super().bind()
@@ -33,6 +40,8 @@ class RMSNorm(CustomOp):
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         var = x.float().pow(2).mean(-1, keepdim=True)
+        if self.offset:
+            return (x.float() * torch.rsqrt(var + self.eps) * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
 
     def add_forward_torch(self, residual: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,4 +70,5 @@ class RMSNorm(CustomOp):
         return triton_ops.add_rms_norm(residual, update, self.weight, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, backend={self.backend}"
+        offset = f", offset={self.offset}" if self.offset else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}{offset}, backend={self.backend}"

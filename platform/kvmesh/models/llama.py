@@ -1,9 +1,13 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) on kvmesh's paged attention.
+"""Llama-family decoder on kvmesh's paged attention: Llama, Mistral (sliding window),
+Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm per head), Phi-3 (q/k/v and gate/up fused in the
+checkpoint), and, with a sparse MLP block in some layers (models/moe.py), Mixtral and
+Qwen3-MoE.
 
 The model consumes a flat batch: `input_ids` (T,), `positions` (T,) for all scheduled
 tokens of all sequences, no padding. Q/K/V and gate/up projections are fused into one
 Linear each (one GEMM instead of three / two); checkpoint shards are copied into
-their slice by per-parameter `weight_loader`s.
+their slice by per-parameter `weight_loader`s (a checkpoint that stores them fused, as
+Phi-3's does, is split into the same shards).
 """
 
 from __future__ import annotations
@@ -13,14 +17,17 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvmesh.layers.activation import SiluAndMul
+from kvmesh.layers.activation import ACTIVATIONS
 from kvmesh.layers.attention import AttentionBackend, AttentionMetadata
 from kvmesh.layers.decode_stack import DecodeStack, StackLayer
 from kvmesh.layers.linear import Linear, MergedColumnLinear
 from kvmesh.layers.norm import RMSNorm
+from kvmesh.layers.moe import FusedMoE
 from kvmesh.layers.op import OpContext, fast_paths_changed
 from kvmesh.layers.rotary import RotaryQKV
 from kvmesh.models.arch import ArchConfig
+from kvmesh.models.moe import (EXPERT_SHARDS, EXPERT_TENSOR, FUSED_EXPERT_SHARDS, FUSED_EXPERT_TENSOR, SparseMoeBlock,
+                               expert_keys)
 from kvmesh.models.rope import RotaryEmbedding
 
 
@@ -31,22 +38,39 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, ctx: OpContext):
+    def __init__(self, cfg: ArchConfig, ctx: OpContext, layer_idx: int = 0):
         super().__init__()
         tp = ctx.tp.size
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = MergedColumnLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.qkv_bias, ctx=ctx)
         self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.o_bias, ctx=ctx, parallel="row")
-        self.rope = RotaryQKV(self.num_heads, self.num_kv_heads, self.head_dim, ctx)
         self.q_size = self.num_heads * self.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.kv_size = self.num_kv_heads * self.head_dim
+        if cfg.qk_norm:  # Qwen3 / Gemma 3: RMSNorm over each head of q and of k
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx, offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx, offset=cfg.norm_offset)
+        self.qk_norm = cfg.qk_norm
+        self.rope = RotaryQKV(self.num_heads, self.num_kv_heads, self.head_dim, ctx)
+        self.scale = cfg.head_scale
+        self.window = cfg.layer_windows[layer_idx]
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
-        q, k, v = self.rope(self.qkv_proj(x), cos, sin)  # (T, H, D), (T, KVH, D), (T, KVH, D)
-        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        qkv = self.qkv_proj(x)
+        if self.qk_norm:
+            qkv = self._norm_qk(qkv)
+        q, k, v = self.rope(qkv, cos, sin)  # (T, H, D), (T, KVH, D), (T, KVH, D)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
         return self.o_proj(o.reshape(t, self.q_size))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        t, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # (T * heads, D) rows: the norms' 2-D kernels
+        q = self.q_norm(q.reshape(-1, d)).view(t, self.q_size)
+        k = self.k_norm(k.reshape(-1, d)).view(t, self.kv_size)
+        return torch.cat((q, k, v), dim=-1)
 
 
 class LlamaMLP(nn.Module):
@@ -54,20 +78,27 @@ class LlamaMLP(nn.Module):
         super().__init__()
         i = cfg.intermediate_size
         self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, {"gate": i, "up": i}, bias=cfg.mlp_bias, ctx=ctx)
-        self.act = SiluAndMul(ctx)
+        self.act = ACTIVATIONS[cfg.hidden_act](ctx)
         self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias, ctx=ctx, parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def build_mlp(cfg: ArchConfig, ctx: OpContext, layer_idx: int) -> nn.Module:
+    """A layer's MLP: the sparse block in MoE layers, else the dense gated MLP."""
+    if layer_idx in cfg.moe_layers:
+        return SparseMoeBlock(cfg, ctx)
+    return LlamaMLP(cfg, ctx)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, ctx: OpContext):
+    def __init__(self, cfg: ArchConfig, ctx: OpContext, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
-        self.self_attn = LlamaAttention(cfg, ctx)
+        self.self_attn = LlamaAttention(cfg, ctx, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
-        self.mlp = LlamaMLP(cfg, ctx)
+        self.mlp = build_mlp(cfg, ctx, layer_idx)
 
     def forward(self, h, cos, sin, kv_cache, meta, backend):
         a = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
@@ -84,12 +115,21 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int, ctx: OpContext):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
         self.rotary = RotaryEmbedding(cfg, max_positions)
 
 
-class LlamaForCausalLM(nn.Module):
+def runs_decode_stack(cfg: ArchConfig) -> bool:
+    """Whether the layers have the shape csrc/decode_stack.cpp runs: Llama's (no q/k norm,
+    SiLU, dense MLPs, full attention)."""
+    return (not cfg.qk_norm and not cfg.moe_layers and cfg.hidden_act == "silu" and not cfg.sandwich_norms
+            and not cfg.norm_offset and not cfg.embed_scale and all(w is None for w in cfg.layer_windows))
+
+
+class CausalLMWeights(nn.Module):
+    """Checkpoint loading shared by the decoders: HF tensor names to fused parameters."""
+
     # checkpoint shard name -> (fused parameter name, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
@@ -98,42 +138,29 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"),
         "up_proj": ("gate_up_proj", "up"),
     }
+    # checkpoint module names renamed before matching (Mixtral's MoE block is `mlp` here)
+    renamed_modules = {".block_sparse_moe.": ".mlp."}
+    cfg: ArchConfig
 
-    def __init__(self, cfg: ArchConfig, max_positions: int, ctx: OpContext | None = None):
-        super().__init__()
-        ctx = ctx or OpContext()
-        if ctx.tp.size > 1:
-            raise ValueError("tensor parallelism: the model layers shard, but the embedding and lm_head are "
-                             "not vocab-parallel yet; run with tensor parallel size 1")
-        self.cfg = cfg
-        self.model = LlamaModel(cfg, max_positions, ctx)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ctx=ctx)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        attn = self.model.layers[0].self_attn
-        self.decode_stack = DecodeStack(lambda: [layer.stack_layer() for layer in self.model.layers],
-                                        attn.num_heads, attn.num_kv_heads, cfg.rms_norm_eps, attn.scale, ctx)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """Returns the final hidden states before the last norm, (T, hidden)."""
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary.cos_sin(positions, h.dtype)
-        out = self.decode_stack(h, cos, sin, kv_caches, meta, backend)
-        if out is not None:
-            return out
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta, backend)
-        return h
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+    def _target(self, name: str) -> tuple[str, str | None, int | None]:
+        """HF tensor name -> (parameter name, shard, expert id)."""
+        for old, new in self.renamed_modules.items():
+            name = name.replace(old, new)
+        match = EXPERT_TENSOR.match(name)
+        if match:  # per-expert tensors: `<layer>.mlp.experts.<e>.<proj>.weight`
+            prefix, expert, proj = match.groups()
+            if proj not in EXPERT_SHARDS:
+                raise ValueError(f"checkpoint tensor {name!r}: unknown expert projection {proj!r}")
+            shard = EXPERT_SHARDS[proj]
+            return f"{prefix}.experts.{'w2' if shard == 'down' else 'w13'}", shard, int(expert)
+        match = FUSED_EXPERT_TENSOR.match(name)
+        if match:  # all experts in one tensor (transformers 5.x in-memory layout)
+            prefix, proj = match.groups()
+            return f"{prefix}.experts.{'w2' if proj == 'down_proj' else 'w13'}", FUSED_EXPERT_SHARDS[proj], None
+        for ckpt, (merged, shard_id) in self.packed_modules.items():
+            if f".{ckpt}." in name:
+                return name.replace(f".{ckpt}.", f".{merged}."), shard_id, None
+        return name, None, None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into parameters; every parameter must be set.
@@ -146,30 +173,83 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            target, shard = name, None
-            for ckpt, (merged, shard_id) in self.packed_modules.items():
-                if f".{ckpt}." in name:
-                    target, shard = name.replace(f".{ckpt}.", f".{merged}."), shard_id
-                    break
+            target, shard, expert = self._target(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
             owner = self.get_submodule(target.rsplit(".", 1)[0])
-            if shard is not None:
-                owner.weight_loader(param, tensor, shard)
-                loaded.add(f"{target}:{shard}")
+            if isinstance(owner, FusedMoE):
+                owner.weight_loader(param, tensor, expert, shard)
+                loaded.update(expert_keys(target, owner.num_experts, expert, shard))
+            elif isinstance(owner, MergedColumnLinear):
+                if shard is None:  # stored fused (Phi-3's qkv_proj / gate_up_proj): split it
+                    sizes = list(owner.full_sizes.values())
+                    if tensor.shape[0] != sum(sizes):
+                        raise ValueError(f"checkpoint tensor {name!r}: {tensor.shape[0]} rows, expected {sum(sizes)}")
+                    for shard_id, part in zip(owner.full_sizes, tensor.split(sizes, dim=0)):
+                        owner.weight_loader(param, part, shard_id)
+                        loaded.add(f"{target}:{shard_id}")
+                else:
+                    owner.weight_loader(param, tensor, shard)
+                    loaded.add(f"{target}:{shard}")
             else:
                 loader = getattr(owner, "weight_loader", None)  # layers' loaders copy their TP slice
                 (loader or default_weight_loader)(param, tensor)
                 loaded.add(target)
         expected = set()
         for pname, param in params.items():
-            owner = pname.rsplit(".", 1)[0]
-            module = self.get_submodule(owner)
+            module = self.get_submodule(pname.rsplit(".", 1)[0])
             if isinstance(module, MergedColumnLinear):
                 expected.update(f"{pname}:{s}" for s in module.offsets)
+            elif isinstance(module, FusedMoE):
+                expected.update(expert_keys(pname, module.num_experts, None, "down" if pname.endswith("w2") else "gate_up"))
             else:
                 expected.add(pname)
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+class LlamaForCausalLM(CausalLMWeights):
+    def __init__(self, cfg: ArchConfig, max_positions: int, ctx: OpContext | None = None):
+        super().__init__()
+        ctx = ctx or OpContext()
+        if ctx.tp.size > 1:
+            raise ValueError("tensor parallelism: the model layers shard, but the embedding and lm_head are "
+                             "not vocab-parallel yet; run with tensor parallel size 1")
+        self.cfg, self.max_positions = cfg, max_positions
+        self.model = LlamaModel(cfg, max_positions, ctx)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ctx=ctx)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attn = self.model.layers[0].self_attn
+        self.decode_stack = (DecodeStack(lambda: [layer.stack_layer() for layer in self.model.layers],
+                                         attn.num_heads, attn.num_kv_heads, cfg.rms_norm_eps, attn.scale, ctx)
+                             if runs_decode_stack(cfg) else None)
+
+    def init_rotary(self, device) -> None:
+        """(Re)build the RoPE tables: non-persistent buffers that meta init leaves empty; they
+        stay float32 (cast per step), as in the reference."""
+        self.model.rotary = RotaryEmbedding(self.cfg, self.max_positions).to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Returns the final hidden states before the last norm, (T, hidden)."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary.cos_sin(positions, h.dtype)
+        if self.decode_stack is not None:
+            out = self.decode_stack(h, cos, sin, kv_caches, meta, backend)
+            if out is not None:
+                return out
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, meta, backend)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden)).float()

@@ -15,8 +15,7 @@ from kvmesh.config import KernelConfig
 from kvmesh.checkpoint.files import iter_safetensors, load_tokenizer, model_fingerprint, resolve_model_path
 from kvmesh.layers.op import OpContext
 from kvmesh.models.arch import ArchConfig
-from kvmesh.models.llama import LlamaForCausalLM
-from kvmesh.models.rope import RotaryEmbedding
+from kvmesh.models.registry import model_class
 
 __all__ = ["iter_safetensors", "load_arch_config", "load_float_model", "load_tokenizer", "model_fingerprint",
            "op_context", "resolve_model_path"]
@@ -36,16 +35,14 @@ def load_float_model(path: Path, dtype, device, max_positions: int, kernels: Ker
     """Build the float model for `path` and load its weights; returns (model, ArchConfig)."""
     cfg = load_arch_config(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, op_context(device, dtype, kernels))
+        model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels))
     # Materialize uninitialized storage: every parameter is overwritten by the load.
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(iter_safetensors(path))
     model = model.to(dtype=dtype)
-    # RoPE tables are non-persistent buffers that meta init left empty; they stay
-    # float32 (cast per step), as in the reference.
-    model.model.rotary = RotaryEmbedding(cfg, max_positions).to(device)
+    model.init_rotary(device)
     model.eval()
     return model, cfg
 

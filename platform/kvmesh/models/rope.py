@@ -13,12 +13,13 @@ import torch
 from kvmesh.models.arch import ArchConfig
 
 
-def inv_frequencies(cfg: ArchConfig) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq (D/2,), attention_factor applied to cos/sin)."""
+def inv_frequencies(cfg: ArchConfig, local: bool = False) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq (D/2,), attention_factor applied to cos/sin); `local`: the sliding
+    layers' RoPE where the architecture gives them their own (Gemma 3)."""
     dim = cfg.head_dim
-    base = cfg.rope_theta
+    base = cfg.rope_local_theta if local else cfg.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
+    scaling = cfg.rope_local_scaling if local else cfg.rope_scaling
     if scaling is None:
         return inv_freq, 1.0
     kind = scaling["rope_type"]
@@ -56,9 +57,9 @@ def inv_frequencies(cfg: ArchConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, cfg: ArchConfig, max_positions: int):
+    def __init__(self, cfg: ArchConfig, max_positions: int, local: bool = False):
         super().__init__()
-        inv_freq, attn_factor = inv_frequencies(cfg)
+        inv_freq, attn_factor = inv_frequencies(cfg, local)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)

@@ -35,9 +35,8 @@ from kvmesh.errors import ConfigError
 from kvmesh.config import KernelConfig
 from kvmesh.layers.linear import Linear
 from kvmesh.layers.op import fast_paths_changed
-from kvmesh.models.llama import LlamaForCausalLM
 from kvmesh.models.loader import load_arch_config, load_float_model, op_context
-from kvmesh.models.rope import RotaryEmbedding
+from kvmesh.models.registry import model_class
 from kvmesh.quant import gguf_weights
 from kvmesh.quant.formats import CheckpointFormat, KVMeshFormat, format_from_config
 from kvmesh.quant.methods import EMBED_NAME, HEAD_NAME, LINEAR_NAMES, QuantMethod, get_method
@@ -171,7 +170,7 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
     qc = read_quantization_config(path)
     tied = cfg.tie_word_embeddings
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, op_context(device, dtype, kernels))
+        model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels))
     weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors(path)
     if qc is not None:
         if quantization is not None:
@@ -220,14 +219,16 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
     for module in model.modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
             module.finalize(dtype)
-    model.model.rotary = RotaryEmbedding(cfg, max_positions).to(device)
+    model.init_rotary(device)
     model.eval()
     return model, cfg
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of all weights (parameters and quantized buffers), each shared tensor once."""
-    seen = {b.data_ptr() for b in model.model.rotary.buffers()}  # RoPE tables are not weights
+    persistent = model.state_dict(keep_vars=True)
+    # non-persistent buffers (the RoPE tables) are not weights
+    seen = {b.data_ptr() for name, b in model.named_buffers() if name not in persistent}
     total = 0
     for t in [*model.parameters(), *model.buffers()]:
         if t.data_ptr() in seen or not (t.is_floating_point() or t.dtype in (torch.int8, torch.uint8)):
