@@ -112,8 +112,9 @@ def test_config_matches_gguf_metadata(gemma_dir, gguf_file):
     assert cfg.architecture == "Gemma3ForCausalLM"
     assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (
         meta["gemma3.block_count"], meta["gemma3.embedding_length"], meta["gemma3.feed_forward_length"])
-    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
-        meta["gemma3.attention.head_count"], meta["gemma3.attention.head_count_kv"], meta["gemma3.attention.key_length"])
+    attn = {k: meta[f"gemma3.attention.{k}"] for k in ("head_count", "head_count_kv", "key_length")}
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (attn["head_count"], attn["head_count_kv"],
+                                                                attn["key_length"])
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (18, 4, 1, 256, 262144)
     assert cfg.sliding_window == meta["gemma3.attention.sliding_window"] == 512
     assert cfg.layer_windows == ((512,) * 5 + (None,)) * 3  # every 6th layer global (llama.cpp's pattern)

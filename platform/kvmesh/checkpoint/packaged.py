@@ -21,24 +21,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.checkpoint.cache import cache_dir
+from kvmesh.checkpoint.embedded import ensure_embedded_model, gguf_path
+from kvmesh.checkpoint.gguf_convert import ensure_gguf_folder
 from kvmesh.errors import ModelNotFoundError
 
 
 def _embedded_gguf(_model: "PackagedModel") -> Path:
-    from kvmesh.checkpoint.embedded import gguf_path
-
     return gguf_path()
 
 
 def _embedded_folder(_src: Path, progress: bool) -> Path:
-    from kvmesh.checkpoint.embedded import ensure_embedded_model  # its own cache folder, as always
-
-    return ensure_embedded_model(progress=progress)
+    return ensure_embedded_model(progress=progress)  # its own cache folder, as always
 
 
 def _gguf_folder(src: Path, progress: bool) -> Path:
-    from kvmesh.checkpoint.gguf_convert import ensure_gguf_folder
-
     return ensure_gguf_folder(src, progress=progress)
 
 
