@@ -78,7 +78,7 @@ def _assembled_gguf(model: PackagedModel) -> Path:
         if target.is_file():
             return target
         assemble = importlib.import_module(model.package).assemble  # a stdlib-only __init__
-        fd, tmp = tempfile.mkstemp(prefix=".assemble-", suffix=".gguf", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=".assemble-", suffix=".tmp", dir=target.parent)  # not *.gguf
         os.close(fd)
         try:
             assemble(output_path=tmp, overwrite=True)
