@@ -16,7 +16,8 @@ import importlib.util
 from pathlib import Path
 
 from kvmesh.checkpoint.cache import build_once, cache_dir, is_complete
-from kvmesh.checkpoint.gguf_convert import convert_gguf, hf_tensor_name, unpermute_rows
+from kvmesh.checkpoint.gguf_archs import hf_tensor_name, unpermute_rows
+from kvmesh.checkpoint.gguf_convert import convert_gguf
 
 __all__ = ["EMBEDDED_MODEL_NAME", "cache_dir", "ensure_embedded_model", "gguf_path", "gguf_source",
            "hf_tensor_name", "unpermute_rows"]
