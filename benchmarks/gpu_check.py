@@ -88,38 +88,49 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _attention_err(dtype: torch.dtype, seed: int) -> float:
-    """Mixed batch (split-K decodes, prefix-hit and chunked prefills) vs float64 attention."""
+def _attention_err(dtype: torch.dtype, seed: int, window: int | None = None) -> float:
+    """Mixed batch (split-K decodes, prefix-hit and chunked prefills) vs float64 attention.
+    `window`: sliding-window attention, the blocks before each span's window pointing at a
+    NaN block (as the KV cache manager drops them: never read)."""
     bs, h, kvh, d, nb = 16, 32, 8, 128, 4096
     g = torch.Generator().manual_seed(seed)
     free = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+    dropped = free.pop()  # never filled: NaN
     spans, t = [], 0
+
+    def table(start: int, ctx: int) -> list[int]:
+        first = max(0, start - window + 1) // bs if window else 0
+        return [dropped] * first + [free.pop() for _ in range(-(-ctx // bs) - first)]
+
     for ctx in (1, 700, 3000, 37):
-        spans.append(SeqSpan(t, 1, ctx - 1, [free.pop() for _ in range(-(-ctx // bs))]))
+        spans.append(SeqSpan(t, 1, ctx - 1, table(ctx - 1, ctx)))
         t += 1
     for start, qlen in ((0, 300), (512, 200), (1000, 77)):
-        spans.append(SeqSpan(t, qlen, start, [free.pop() for _ in range(-(-(start + qlen) // bs))]))
+        spans.append(SeqSpan(t, qlen, start, table(start, start + qlen)))
         t += qlen
     kc = torch.full((nb, bs, kvh, d), float("nan"), dtype=dtype, device="cuda")  # unused blocks: NaN
     vc = kc.clone()
     for s in spans:
-        idx = torch.tensor(s.block_ids, device="cuda")
+        idx = torch.tensor([b for b in s.block_ids if b != dropped], device="cuda")
         kc[idx] = torch.randn(len(idx), bs, kvh, d, device="cuda").to(dtype)
         vc[idx] = torch.randn(len(idx), bs, kvh, d, device="cuda").to(dtype)
     q = torch.randn(t, h, d, device="cuda").to(dtype)
     k, v = torch.randn(t, kvh, d, device="cuda").to(dtype), torch.randn(t, kvh, d, device="cuda").to(dtype)
     be = TritonAttentionBackend(bs, torch.device("cuda"))
     out = torch.full_like(q, float("nan"))
-    be.forward(q, k, v, (kc, vc), be.build_metadata(spans, 4), d**-0.5, out=out)
+    be.forward(q, k, v, (kc, vc), be.build_metadata(spans, 4), d**-0.5, window=window, out=out)
     ref = torch.empty(q.shape, dtype=torch.float64, device="cuda")
     for s in spans:
-        pos = torch.arange(s.ctx_len, device="cuda")
+        pos = torch.arange(max(0, s.start_pos - window + 1) if window else 0, s.ctx_len, device="cuda")
         blocks = torch.tensor(s.block_ids, device="cuda")[pos // bs]
         kk = kc[blocks, pos % bs].double().repeat_interleave(h // kvh, dim=1)
         vv = vc[blocks, pos % bs].double().repeat_interleave(h // kvh, dim=1)
         sc = torch.einsum("qhd,khd->hqk", q[s.q_start: s.q_start + s.q_len].double(), kk) * d**-0.5
         qpos = torch.arange(s.start_pos, s.ctx_len, device="cuda")[:, None]
-        sc = sc.masked_fill(pos[None, :] > qpos, float("-inf"))
+        hide = pos[None, :] > qpos
+        if window:
+            hide |= pos[None, :] <= qpos - window
+        sc = sc.masked_fill(hide, float("-inf"))
         ref[s.q_start: s.q_start + s.q_len] = torch.einsum("hqk,khd->qhd", sc.softmax(-1), vv)
     return float("inf") if out.isnan().any() else _rel(out, ref)
 
@@ -129,7 +140,9 @@ def kernel_checks() -> dict:
     seed = int(time.time())
     torch.manual_seed(seed)
     res = {"attention_fp32": {"rel_err": _attention_err(torch.float32, seed), "tol": 1e-4},
-           "attention_bf16": {"rel_err": _attention_err(torch.bfloat16, seed), "tol": 2e-2}}
+           "attention_bf16": {"rel_err": _attention_err(torch.bfloat16, seed), "tol": 2e-2},
+           "attention_window_fp32": {"rel_err": _attention_err(torch.float32, seed, window=257), "tol": 1e-4},
+           "attention_window_bf16": {"rel_err": _attention_err(torch.bfloat16, seed, window=257), "tol": 2e-2}}
     bf, dev = torch.bfloat16, "cuda"
     x, a = torch.randn(64, 2048, device=dev).to(bf), torch.randn(64, 2048, device=dev).to(bf)
     w = (torch.rand(2048, device=dev) + 0.5).to(bf)

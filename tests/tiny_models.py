@@ -144,7 +144,8 @@ def build_tiny_model(
     common.update(extra or {})
     config_name, model_name = ARCHITECTURES[architecture]
     cfg = getattr(transformers, config_name)(**common)
-    if architecture in ("qwen2", "qwen3", "qwen3_moe") and sliding_window is not None:
+    if architecture in ("qwen2", "qwen3", "qwen3_moe") and sliding_window is not None \
+            and "layer_types" not in (extra or {}):
         cfg.layer_types = ["sliding_attention"] * num_layers  # 5.x computes them at init
     model = getattr(transformers, model_name)(cfg)
     _randomize_parameters(model, seed, zero_centred_norms=architecture == "gemma3")

@@ -22,6 +22,7 @@ from kvmesh.config import EngineConfig, SpeculativeConfig
 from kvmesh.engine.async_engine import AsyncLLMEngine, StepThread
 from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.interfaces import ModelInfo
+from kvmesh.engine.kv_cache_manager import blocks_per_request
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.errors import ConfigError
 from kvmesh.kvstore import BlockCodec, create_store
@@ -72,9 +73,6 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     dtype = DTYPES[dtype_name]
     arch = load_arch_config(path)
     limit = arch.max_position_embeddings
-    if arch.sliding_window:
-        # The reference backend has no sliding-window attention: stay inside it.
-        limit = min(limit, arch.sliding_window)
     if mc.max_model_len is not None and mc.max_model_len > arch.max_position_embeddings:
         raise ConfigError(
             f"model.max_model_len: {mc.max_model_len} exceeds the model's "
@@ -86,12 +84,16 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     spec = KVCacheSpec(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype)
     num_blocks = cc.num_blocks or _auto_num_blocks(config, spec, device)
     capacity = (num_blocks - 1) * cc.block_size
-    if capacity < max_model_len:
+    # Every layer sliding: a request holds about a window of blocks, however long (the engine
+    # frees the rest; not with a draft model, whose cache shares the target's blocks).
+    kv_window = arch.kv_window if config.speculative is None or config.speculative.method == "ngram" else None
+    need = blocks_per_request(max_model_len, cc.block_size, kv_window, config.scheduler.max_num_batched_tokens)
+    if need > num_blocks - 1:
         if mc.max_model_len is not None:
             raise ConfigError(
                 f"cache: {num_blocks} blocks of {cc.block_size} tokens hold {capacity} tokens, "
-                f"less than max_model_len={max_model_len}; raise cache.num_blocks / "
-                "kv_cache_memory_gb or lower max_model_len"
+                f"less than one request of max_model_len={max_model_len} needs ({need} blocks); raise "
+                "cache.num_blocks / kv_cache_memory_gb or lower max_model_len"
             )
         max_model_len = capacity
     fingerprint = model_fingerprint(
@@ -112,7 +114,8 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
                            mac_key=load_mac_key())
         connector = StoreConnector(create_store(config.kv_store), codec, runner, config.kv_store_ttl_s)
     info = ModelInfo(path=str(path), fingerprint=fingerprint, vocab_size=arch.vocab_size,
-                     max_model_len=max_model_len, eos_token_id=_eos_token_id(tokenizer, arch))
+                     max_model_len=max_model_len, eos_token_id=_eos_token_id(tokenizer, arch),
+                     kv_window=arch.kv_window)
     logger.info("kvmesh engine: %s, %d KV blocks x %d tokens, max_model_len %d",
                 path, num_blocks, cc.block_size, max_model_len)
     return EngineParts(config, tokenizer, info, arch, Executor(runner, proposer), connector)

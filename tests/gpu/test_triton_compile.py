@@ -35,12 +35,13 @@ SCRIPT = textwrap.dedent('''
         for direct in (True, False):
             compile_(A._decode_split, dict(q_ptr="*" + dt, kc_ptr="*" + dt, vc_ptr="*" + dt, table_ptr="*i32",
                                            lens_ptr="*i32", o_ptr="*" + dt, mid_ptr="*fp32", lse_ptr="*fp32",
-                                           scale="fp32", split_len=i32, num_splits=i32, **strides),
+                                           scale="fp32", split_len=i32, num_splits=i32, window=i32, **strides),
                      dict(BS=16, G=4, G_PAD=16, D=128, BLOCK_D=128, BLOCK_N=64, DIRECT=direct, IEEE=dt == "fp32"))
         compile_(A._decode_reduce, dict(mid_ptr="*fp32", lse_ptr="*fp32", o_ptr="*" + dt, num_splits=i32,
                                         stride_ot=i32, stride_oh=i32), dict(D=128, BLOCK_D=128, S_PAD=32))
         compile_(A._prefill, dict(q_ptr="*" + dt, kc_ptr="*" + dt, vc_ptr="*" + dt, o_ptr="*" + dt, table_ptr="*i32",
-                                  qstart_ptr="*i32", qlen_ptr="*i32", startpos_ptr="*i32", scale="fp32", **strides),
+                                  qstart_ptr="*i32", qlen_ptr="*i32", startpos_ptr="*i32", scale="fp32", window=i32,
+                                  **strides),
                  dict(BS=16, G=4, D=128, BLOCK_D=128, BLOCK_M=64 if dt == "bf16" else 32, BLOCK_N=32,
                       IEEE=dt == "fp32"))
         for add in (False, True):

@@ -81,8 +81,11 @@ class LLMEngine:
         self.max_model_len = model.max_model_len
         self.eos_token_id = model.eos_token_id
         cc, sc = config.cache, config.scheduler
+        # A draft model's cache shares the target's block ids and catches up from behind the
+        # target's window (its first proposal prefills from position 0): keep every block.
+        window = model.kv_window if executor.proposer_method != "draft" else None
         self.kv_manager = KVCacheManager(executor.num_blocks, cc.block_size, model.fingerprint,
-                                         cc.enable_prefix_caching)
+                                         cc.enable_prefix_caching, sliding_window=window)
         self.kv_connector = kv_connector
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_seqs, sc.max_num_batched_tokens, model.max_model_len,
                                    kv_loader=kv_loader if kv_loader is not None else kv_connector)
@@ -164,6 +167,8 @@ class LLMEngine:
             raise InvalidRequestError("prompt", "must not be empty")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt_ids(ids)
+        if hold_kv:
+            self._check_held_fits(len(ids), params.max_tokens)
         req = Request(request_id, ids, params, self.eos_token_id, prompt=text, arrival_time=arrival_time)
         req.hold_kv = hold_kv
         self.scheduler.add_request(req)
@@ -172,6 +177,18 @@ class LLMEngine:
             [] if params.logprobs is not None else None, original_prompt_tokens=original_prompt_tokens,
         )
         return request_id
+
+    def _check_held_fits(self, num_prompt: int, max_tokens: int) -> None:
+        """A request that holds its KV keeps every block, even past a sliding window (whose
+        freeing lets max_model_len exceed the cache): it must fit in the whole cache, or it
+        would preempt itself forever."""
+        kv = self.kv_manager
+        need = -(-min(num_prompt + max_tokens, self.max_model_len) // kv.block_size)
+        if kv.sliding_window is not None and need > kv.num_usable_blocks:
+            raise ResourceExhaustedError(
+                "prompt", f"{num_prompt} tokens (+{max_tokens} to generate) need {need} KV blocks held at "
+                f"once for a transfer or pin, more than this worker's {kv.num_usable_blocks}; shorten the "
+                "prompt or give the worker more KV cache")
 
     def validate_prompt_ids(self, ids: list[int]) -> None:
         if not ids:

@@ -29,6 +29,9 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int  # prompt + output tokens per request, already fitted to the cache
     eos_token_id: int | None
+    # The window when every layer slides (ArchConfig.kv_window): KV blocks wholly before a
+    # request's window are freed while it runs (engine/kv_cache_manager.py). None: kept.
+    kv_window: int | None = None
 
 
 class ModelExecutor(Protocol):

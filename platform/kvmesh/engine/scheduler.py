@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvmesh.engine.interfaces import KVLoader
-from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.kv_cache_manager import KVCacheManager, blocks_per_request
 from kvmesh.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from kvmesh.engine.request import Request, RequestStatus
 
@@ -40,11 +40,13 @@ class Scheduler:
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        capacity = kv_cache_manager.num_usable_blocks * kv_cache_manager.block_size
-        if capacity < max_model_len:
+        kv = kv_cache_manager
+        need = blocks_per_request(max_model_len, kv.block_size, kv.sliding_window, max_num_batched_tokens)
+        if need > kv.num_usable_blocks:
             # Otherwise one long request could preempt itself forever (livelock).
             raise ValueError(
-                f"the KV cache holds {capacity} tokens, less than max_model_len={max_model_len}"
+                f"the KV cache holds {kv.num_usable_blocks} blocks of {kv.block_size} tokens, less than the "
+                f"{need} one request of max_model_len={max_model_len} needs"
             )
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs

@@ -8,6 +8,12 @@ Backends implement `AttentionBackend`: `build_metadata` once per step (shared by
 layer), `forward` once per layer. `TorchAttentionBackend` is the reference that runs on
 any device with plain PyTorch ops (SDPA); `triton` (triton_attention.py) is the CUDA
 backend behind the same interface, with its own metadata type.
+
+Sliding-window layers (`forward(..., window=w)`): a query at position p sees keys in
+(p - w, p]. No backend reads a key before its query's window: when every layer slides the
+engine frees the blocks wholly before it (engine/kv_cache_manager.py) and the block table
+then names the null block there. The reference builds its windowed tables and masks at the
+first layer that asks for a window and keeps them in the step's metadata for the others.
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ class AttentionMetadata:
     # The CPU kernel attends them all in one call, through the cache:
     prefill_spans: torch.Tensor | None = None  # (P, 3) int64 rows (q_start, q_len, start_pos)
     prefill_table: torch.Tensor | None = None  # (P, max_blocks) int64, padded with block 0
+    decodes: list[SeqSpan] = field(default_factory=list)
+    # The reference's tables and masks per sliding window, built at the first layer with that
+    # window and shared by the others: ("decode" | "prefill", window) -> plan.
+    window_plans: dict = field(default_factory=dict)
 
 
 class AttentionBackend(Protocol):
@@ -89,7 +99,7 @@ class TorchAttentionBackend:
         bs = self.block_size
         slot_mapping = torch.from_numpy(slots.slot_mapping(spans, bs)).to(self.device)
         meta = AttentionMetadata(slot_mapping, num_decodes, *self._decode_metadata(spans[:num_decodes]),
-                                 prefills=spans[num_decodes:])
+                                 prefills=spans[num_decodes:], decodes=spans[:num_decodes])
         self._prefill_metadata(meta)
         return meta
 
@@ -130,6 +140,55 @@ class TorchAttentionBackend:
             masks.append(torch.zeros(q_pos.shape[0], s.ctx_len, device=self.device)
                          .masked_fill_(k_pos > q_pos, float("-inf")))
 
+    def _windowed_decode(self, meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table, mask) of the decodes for a sliding window: per sequence the blocks
+        from the one holding its first visible key, the mask true on keys in its window."""
+        bs = self.block_size
+        first = [max(0, s.ctx_len - window) // bs for s in meta.decodes]
+        nblk = max(-(-s.ctx_len // bs) - f for s, f in zip(meta.decodes, first))
+        table = np.zeros((len(meta.decodes), nblk), dtype=np.int64)
+        mask = np.zeros((len(meta.decodes), nblk * bs), dtype=bool)
+        for i, (s, f) in enumerate(zip(meta.decodes, first)):
+            n = -(-s.ctx_len // bs)
+            table[i, : n - f] = s.block_ids[f:n]
+            k_pos = f * bs + np.arange(nblk * bs)
+            mask[i] = (k_pos >= s.ctx_len - window) & (k_pos < s.ctx_len)
+        return (torch.from_numpy(table).to(self.device),
+                torch.from_numpy(mask).to(self.device)[:, None, None, :])
+
+    def _decode_plan(self, meta: AttentionMetadata, window: int | None):
+        if window is None or all(s.ctx_len <= window for s in meta.decodes):
+            return meta.decode_block_table, meta.decode_mask
+        key = ("decode", window)
+        if key not in meta.window_plans:
+            meta.window_plans[key] = self._windowed_decode(meta, window)
+        return meta.window_plans[key]
+
+    def _prefill_plan(self, meta: AttentionMetadata, window: int | None):
+        """Per chunk (block table or None: its own fresh K/V, mask or None: causal, first key
+        position the table starts at)."""
+        if len(meta.prefill_masks) != len(meta.prefills):  # the CPU backend builds these only when needed
+            TorchAttentionBackend._prefill_metadata(self, meta)
+        if window is None or all(s.ctx_len <= window for s in meta.prefills):
+            return list(zip(meta.prefill_block_tables, meta.prefill_masks, [0] * len(meta.prefills)))
+        key = ("prefill", window)
+        if key not in meta.window_plans:
+            meta.window_plans[key] = [self._windowed_prefill(s, window) for s in meta.prefills]
+        return meta.window_plans[key]
+
+    def _windowed_prefill(self, s: SeqSpan, window: int):
+        bs = self.block_size
+        first = max(0, s.start_pos - window + 1) // bs if s.start_pos else 0
+        k0 = first * bs
+        q_pos = torch.arange(s.start_pos, s.ctx_len, device=self.device)[:, None]
+        k_pos = torch.arange(k0, s.ctx_len, device=self.device)[None, :]
+        mask = torch.zeros(q_pos.shape[0], k_pos.shape[1], device=self.device).masked_fill_(
+            (k_pos > q_pos) | (k_pos <= q_pos - window), float("-inf"))
+        table = None
+        if s.start_pos:
+            table = torch.tensor(s.block_ids[first : -(-s.ctx_len // bs)], dtype=torch.int64, device=self.device)
+        return table, mask, k0
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D)."""
@@ -141,17 +200,18 @@ class TorchAttentionBackend:
         v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v)
         nd = meta.num_decodes
         if nd == q.shape[0] and not meta.prefills:  # an all-decode step: no scatter into `out`
-            return self._decode(q, k_cache, v_cache, meta, scale)
+            return self._decode(q, k_cache, v_cache, meta, scale, window)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
-        self._prefill(q, k, v, k_cache, v_cache, meta, scale, out)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window)
+        self._prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
         return out
 
-    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out,
+                 window: int | None = None) -> None:
         """Attention of the prefill chunks' queries, written into their rows of `out`."""
         group = q.shape[1] // k_cache.shape[2]
-        for s, table, mask in zip(meta.prefills, meta.prefill_block_tables, meta.prefill_masks):
+        for s, (table, mask, k0) in zip(meta.prefills, self._prefill_plan(meta, window)):
             sl = slice(s.q_start, s.q_start + s.q_len)
             # SDPA's fused (flash) kernels take 4-D (1, H, L, D) inputs with K/V repeated per
             # query head; 3-D inputs or enable_gqa fall back to its math path (2.7x slower
@@ -160,8 +220,9 @@ class TorchAttentionBackend:
             if table is None:
                 ks, vs = k[sl], v[sl]  # (L, KVH, D)
             else:
-                ks = k_cache.index_select(0, table).flatten(0, 1)[: s.ctx_len]  # (C, KVH, D)
-                vs = v_cache.index_select(0, table).flatten(0, 1)[: s.ctx_len]
+                # (C, KVH, D): keys at positions [k0, ctx_len)
+                ks = k_cache.index_select(0, table).flatten(0, 1)[: s.ctx_len - k0]
+                vs = v_cache.index_select(0, table).flatten(0, 1)[: s.ctx_len - k0]
             ks = ks.transpose(0, 1).repeat_interleave(group, dim=0)[None]  # (1, H, C, D)
             vs = vs.transpose(0, 1).repeat_interleave(group, dim=0)[None]
             if mask is None:
@@ -170,19 +231,21 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
             out[sl] = o[0].transpose(0, 1)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         """q: (Bd, H, D) one token per sequence -> (Bd, H, D)."""
         nd, h, d = q.shape
         kvh = k_cache.shape[2]
+        table, mask = self._decode_plan(meta, window)
         # (Bd * nblk, bs, KVH, D) -> (Bd, KVH, nblk*bs, D). index_select on whole
         # blocks is a row memcpy (4x faster here than advanced indexing).
-        table = meta.decode_block_table.flatten()
+        table = table.flatten()
         kd = k_cache.index_select(0, table).view(nd, -1, kvh, d).transpose(1, 2)
         vd = v_cache.index_select(0, table).view(nd, -1, kvh, d).transpose(1, 2)
         # GQA without repeating K/V: the G query heads sharing a KV head act as G
         # query rows of that head. qd: (Bd, KVH, G, D)
         qd = q.view(nd, kvh, h // kvh, d)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
         return o.reshape(nd, h, d)
 
 
@@ -218,19 +281,19 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         meta.prefill_spans = torch.tensor([(s.q_start, s.q_len, s.start_pos) for s in meta.prefills],
                                           dtype=torch.int64)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out,
+                 window: int | None = None) -> None:
         # The kernel computes in fp32: for a bf16 model torch's SDPA (bf16 dot products on
         # AVX512-BF16 / AMX) measured faster (4 x 256 tokens: 306 vs 366 ms a prefill).
         if not self.prefill_kernel or q.dtype != torch.float32:
-            if len(meta.prefill_masks) != len(meta.prefills):  # the reference's, built at the first layer
-                super()._prefill_metadata(meta)
-            return super()._prefill(q, k, v, k_cache, v_cache, meta, scale, out)
+            return super()._prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
         torch.ops.kvmesh.paged_prefill_attention(out, q, k_cache, v_cache, meta.prefill_table, meta.prefill_spans,
-                                                 scale)
+                                                 scale, window or 0)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         return torch.ops.kvmesh.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_table, meta.decode_context_lens, scale
+            q, k_cache, v_cache, meta.decode_block_table, meta.decode_context_lens, scale, window or 0
         )
 
 

@@ -44,6 +44,7 @@ class StackLayer:
     post_norm: RMSNorm
     gate_up: torch.nn.Module
     down: torch.nn.Module
+    window: int | None = None  # a sliding-window layer's window, None: full attention
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class StackArgs:
     kinds: list[int]
     biases: list[torch.Tensor | None]
     runs_small: bool  # every linear dense and on the small-batch GEMM: steps of SMALL_GEMM_ROWS rows
+    windows: list[int]  # per layer, 0: full attention
 
 
 class DecodeStack:
@@ -76,7 +78,7 @@ class DecodeStack:
         return torch.ops.kvmesh.decode_stack(
             h, cos, sin, args.norms, args.tensors, args.kinds, args.biases, [kv[0] for kv in kv_caches],
             [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_block_table, meta.decode_context_lens,
-            self.num_heads, self.num_kv_heads, self.eps, self.scale, SKINNY_KERNEL_ROWS)
+            self.num_heads, self.num_kv_heads, self.eps, self.scale, SKINNY_KERNEL_ROWS, args.windows)
 
     def step_args(self, h: torch.Tensor, meta: AttentionMetadata, backend) -> StackArgs | None:
         """The gathered arguments when this step runs as the one op (see the module doc), else None."""
@@ -101,9 +103,11 @@ class DecodeStack:
         tensors: list[torch.Tensor] = []
         kinds: list[int] = []
         biases: list[torch.Tensor | None] = []
+        windows: list[int] = []
         runs_small = True
         for layer in self.layers():
             norms += [layer.input_norm.weight, layer.post_norm.weight]
+            windows.append(layer.window or 0)
             for module in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 form = module.stack_form() if hasattr(module, "stack_form") else None
                 if form is None:
@@ -116,4 +120,4 @@ class DecodeStack:
                 kinds.append(kind)
                 tensors += ts
                 biases.append(module.bias)
-        return StackArgs(norms, tensors, kinds, biases, runs_small)
+        return StackArgs(norms, tensors, kinds, biases, runs_small, windows)

@@ -15,6 +15,11 @@ per-sequence Python loop, no padding of K/V). Per layer and step:
    per (sequence, query head, tile of BLOCK_M queries). Keys are read from the cache
    (cached prefix blocks and this step's rows, written in step 1), causal by position.
 
+Sliding-window layers (`window` > 0): a query at position p sees keys in (p - window, p];
+keys before that are never loaded (their blocks may be freed: engine/kv_cache_manager.py),
+the decode split plan covers the window, not the context, and prefill key tiles before a
+query tile's window are skipped.
+
 Numerics: scores and softmax in float32; the P @ V product in the cache dtype with a float32
 accumulator (float32 models use IEEE float32 dots, not TF32). Rows nobody asked for (padded
 query rows, empty splits) are never stored into the output; a context of length 0 (a padded
@@ -51,7 +56,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_split(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, o_ptr, mid_ptr, lse_ptr,
-                      scale, split_len, num_splits,
+                      scale, split_len, num_splits, window,
                       stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb, stride_ot, stride_oh,
                       BS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
@@ -59,7 +64,8 @@ if triton is not None:
         kvh = tl.program_id(1)
         s = tl.program_id(2)
         ctx = tl.load(lens_ptr + b)
-        start = s * split_len
+        lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # first key in the window
+        start = lo + s * split_len
         end = tl.minimum(ctx, start + split_len)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, BLOCK_D)
@@ -117,7 +123,7 @@ if triton is not None:
         tl.store(o_ptr + b * stride_ot + h * stride_oh + d, to_dtype(out, o_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
-    def _prefill(q_ptr, kc_ptr, vc_ptr, o_ptr, table_ptr, qstart_ptr, qlen_ptr, startpos_ptr, scale,
+    def _prefill(q_ptr, kc_ptr, vc_ptr, o_ptr, table_ptr, qstart_ptr, qlen_ptr, startpos_ptr, scale, window,
                  stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb, stride_ot, stride_oh,
                  BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
@@ -136,19 +142,21 @@ if triton is not None:
             q = tl.load(q_ptr + (q0 + m)[:, None] * stride_qt + h * stride_qh + d[None, :],
                         mask=mm[:, None] & dm[None, :], other=0.0)
             kvh = h // G
-            hi = sp + tl.minimum(q_len, (mt + 1) * BLOCK_M)  # keys [0, hi) can be seen by this tile
+            hi = sp + tl.minimum(q_len, (mt + 1) * BLOCK_M)  # keys [lo, hi) can be seen by this tile
+            lo = tl.where(window > 0, tl.maximum(sp + mt * BLOCK_M - window + 1, 0), 0)
             m_i = tl.full([BLOCK_M], -1e30, tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for n0 in range(0, hi, BLOCK_N):
+            for n0 in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
                 pos = n0 + tl.arange(0, BLOCK_N)
-                pm = pos < hi
+                pm = (pos < hi) & (pos >= lo)
                 blk = tl.load(table_ptr + p * stride_tb + pos // BS, mask=pm, other=0).to(tl.int64)
                 row = blk * stride_cb + (pos % BS) * stride_ct + kvh * stride_ch
                 kv_mask = pm[:, None] & dm[None, :]
                 k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
                 sc = dot(q, tl.trans(k), IEEE)
-                ok = pm[None, :] & (pos[None, :] <= qpos[:, None])
+                ok = pm[None, :] & (pos[None, :] <= qpos[:, None]) & (
+                    (pos[None, :] > qpos[:, None] - window) | (window <= 0))
                 sc = tl.where(ok, sc * scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(sc, 1))
                 pr = tl.exp(sc - m_new[:, None])
@@ -249,7 +257,8 @@ class TritonAttentionBackend:
 
     def forward(self, q, k, v, kv_cache, meta: TritonAttentionMetadata, scale: float,
                 window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D), into `out` when given."""
+        """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D), into `out` when given. `window`:
+        a sliding-window layer's window (None: full attention)."""
         k_cache, v_cache = kv_cache
         t, h, d = q.shape
         nb, bs, kvh, _ = k_cache.shape
@@ -265,9 +274,11 @@ class TritonAttentionBackend:
         block_d = max(next_pow2(d), 16)
         strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         nd = meta.num_decodes
+        win = window or 0
         if nd:
             g = h // kvh
-            s, split_len = decode_split_plan(nd, kvh, meta.max_decode_ctx, self.num_sms)
+            span = meta.max_decode_ctx if not win else min(meta.max_decode_ctx, win)
+            s, split_len = decode_split_plan(nd, kvh, span, self.num_sms)
             if s > 1:
                 key = (nd, h, s, block_d)
                 mid, lse = meta.scratch.get(key, (None, None))
@@ -279,7 +290,7 @@ class TritonAttentionBackend:
                 mid = lse = out  # unused: the kernel writes the output directly
             _decode_split[(nd, kvh, s)](
                 q, k_cache, v_cache, meta.decode_block_table, meta.decode_context_lens, out, mid, lse,
-                scale, split_len, s, q.stride(0), q.stride(1), *strides,
+                scale, split_len, s, win, q.stride(0), q.stride(1), *strides,
                 meta.decode_block_table.stride(0), out.stride(0), out.stride(1),
                 BS=bs, G=g, G_PAD=max(next_pow2(g), 16), D=d, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N,
                 DIRECT=s == 1, IEEE=ieee)
@@ -292,7 +303,7 @@ class TritonAttentionBackend:
             grid = (meta.num_prefills, h, -(-meta.max_prefill_len // block_m))
             _prefill[grid](
                 q, k_cache, v_cache, out, meta.prefill_block_table, meta.prefill_q_start, meta.prefill_q_len,
-                meta.prefill_start_pos, scale, q.stride(0), q.stride(1), *strides,
+                meta.prefill_start_pos, scale, win, q.stride(0), q.stride(1), *strides,
                 meta.prefill_block_table.stride(0), out.stride(0), out.stride(1),
                 BS=bs, G=h // kvh, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32, IEEE=ieee)
         return out

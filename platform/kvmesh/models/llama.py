@@ -108,7 +108,7 @@ class LlamaDecoderLayer(nn.Module):
     def stack_layer(self) -> StackLayer:
         attn, mlp = self.self_attn, self.mlp
         return StackLayer(self.input_layernorm, attn.qkv_proj, attn.o_proj, self.post_attention_layernorm,
-                          mlp.gate_up_proj, mlp.down_proj)
+                          mlp.gate_up_proj, mlp.down_proj, attn.window)
 
 
 class LlamaModel(nn.Module):
@@ -122,9 +122,13 @@ class LlamaModel(nn.Module):
 
 def runs_decode_stack(cfg: ArchConfig) -> bool:
     """Whether the layers have the shape csrc/decode_stack.cpp runs: Llama's (no q/k norm,
-    SiLU, dense MLPs, full attention)."""
+    SiLU, dense MLPs; sliding windows per layer are fine)."""
     return (not cfg.qk_norm and not cfg.moe_layers and cfg.hidden_act == "silu" and not cfg.sandwich_norms
-            and not cfg.norm_offset and not cfg.embed_scale and all(w is None for w in cfg.layer_windows))
+            and not cfg.norm_offset and not cfg.embed_scale)
+
+
+# Architectures whose checkpoints store q/k/v and gate/up already fused (`qkv_proj`, `gate_up_proj`).
+FUSED_CHECKPOINTS = {"Phi3ForCausalLM"}
 
 
 class CausalLMWeights(nn.Module):
@@ -218,6 +222,8 @@ class LlamaForCausalLM(CausalLMWeights):
             raise ValueError("tensor parallelism: the model layers shard, but the embedding and lm_head are "
                              "not vocab-parallel yet; run with tensor parallel size 1")
         self.cfg, self.max_positions = cfg, max_positions
+        if cfg.architecture in FUSED_CHECKPOINTS:
+            self.packed_modules = {}  # its checkpoint names are the fused modules' own
         self.model = LlamaModel(cfg, max_positions, ctx)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ctx=ctx)
         if cfg.tie_word_embeddings:

@@ -26,7 +26,8 @@ import torch
 
 from kvmesh.quant.primitives import INT4_GROUP_SIZES, pack_int4, quantize_int4, quantize_int8
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# HF linear module names; Phi-3 checkpoints store qkv_proj and gate_up_proj fused
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 EMBED_NAME = "model.embed_tokens"
 HEAD_NAME = "lm_head"
 

@@ -58,6 +58,8 @@ class QuantLinear(nn.Module):
 
     def _rows(self, shard: str | None) -> tuple[int, int]:
         key = shard or ""
+        if shard is None and key not in self.shards:  # a checkpoint storing the fused module whole (Phi-3)
+            return 0, self.out_features
         if key not in self.shards:
             raise ValueError(f"unknown shard {shard!r}; this module has {sorted(self.shards)}")
         return self.shards[key]
@@ -83,7 +85,10 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"{name}: shard {shard!r} has shape {tuple(t.shape)} / {t.dtype}, other shards "
                                  f"{tuple(buf.shape)} / {buf.dtype} (mixed group sizes in one fused module?)")
             buf.narrow(0, start, size).copy_(t)
-        self._loaded.add(shard or "")
+        self._loaded.update(self._covered(shard))
+
+    def _covered(self, shard: str | None) -> set[str]:
+        return set(self.shards) if shard is None else {shard}
 
     def _load_perm(self, perm: torch.Tensor) -> None:
         self._fast = None
@@ -101,7 +106,7 @@ class QuantLinear(nn.Module):
         if self.bias is None:
             self.bias = torch.zeros(self.out_features, dtype=torch.float32, device=self.device)
         self.bias.narrow(0, start, size).copy_(bias)
-        self._bias_loaded.add(shard or "")
+        self._bias_loaded.update(self._covered(shard))
 
     def missing(self) -> list[str]:
         """Shards (and biases) not loaded yet, as "shard" / "shard:bias" labels."""

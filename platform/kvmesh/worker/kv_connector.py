@@ -110,7 +110,9 @@ class StoreConnector:
                 self._saved.pop(req.request_id, None)
             else:
                 self._saved[req.request_id] = max(full, saved)
-            if full <= saved:
+            if full <= saved or 0 in seq.block_ids[saved:full]:
+                # (block 0, the null block, stands for a block a sliding window dropped before it
+                # was saved: its KV is gone, and a store entry must never be made of it)
                 continue
             self._update_hashes(req)
             # seq.block_ids is the table as scheduled: still valid for a request that

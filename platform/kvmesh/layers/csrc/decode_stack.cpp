@@ -12,7 +12,7 @@
 //   x = rms_norm(h, norms[2l])
 //   q, k, v = rope_qkv(linear(x, qkv))
 //   K[slot], V[slot] = k, v                            k_caches[l], v_caches[l]
-//   a = linear(paged_decode_attention(q, K, V), o)
+//   a = linear(paged_decode_attention(q, K, V, windows[l]), o)   (windows empty: all 0, full attention)
 //   h, x = add_rms_norm(h, a, norms[2l + 1])
 //   h = h + linear(silu_and_mul(linear(x, gate_up)), down)
 // Returns h after the last layer (before the final norm), like LlamaForCausalLM.forward.
@@ -130,7 +130,7 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
                         const c10::List<std::optional<at::Tensor>>& biases, at::TensorList k_caches,
                         at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                        double scale, int64_t skinny_rows) {
+                        double scale, int64_t skinny_rows, at::IntArrayRef windows) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(norms.size()) == 2 * L &&
                   static_cast<int64_t>(linear_kinds.size()) == 4 * L &&
@@ -140,6 +140,9 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
                   (h_in.scalar_type() == at::kFloat || h_in.scalar_type() == at::kBFloat16),
               "decode_stack: hidden must be float32 or bfloat16 (T <= 64, hidden)");
   TORCH_CHECK(skinny_rows >= 0 && skinny_rows <= 4, "decode_stack: skinny_rows must be 0..4");
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == L,
+              "decode_stack: windows must be empty or one per layer (0: full attention)");
+  for (const int64_t w : windows) TORCH_CHECK(w >= 0, "decode_stack: a window must be >= 0");
   const int64_t T = h_in.size(0), hidden = h_in.size(1);
   const at::ScalarType dtype = h_in.scalar_type();
   const bool small = T > skinny_rows;  // every linear on the small-batch GEMM
@@ -193,7 +196,9 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
     auto [q, k, v] = rope_qkv(lin[0](x), cos, sin, num_heads, num_kv_heads);
     write_kv(kc, k, slots, T);
     write_kv(vc, v, slots, T);
-    at::Tensor a = lin[1](paged_decode_attention(q, kc, vc, block_tables, context_lens, scale).view({T, q_width}));
+    const int64_t window = windows.empty() ? 0 : windows[l];
+    at::Tensor a =
+        lin[1](paged_decode_attention(q, kc, vc, block_tables, context_lens, scale, window).view({T, q_width}));
     std::tie(h, x) = add_rms_norm(h, a, norms[2 * l + 1], eps);
     h = h.add(lin[3](silu_and_mul(lin[2](x))));
   }
@@ -206,7 +211,7 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("decode_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] linear_tensors, "
         "int[] linear_kinds, Tensor?[] biases, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
-        "float eps, float scale, int skinny_rows) -> Tensor");
+        "float eps, float scale, int skinny_rows, int[] windows=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("decode_stack", &kvmesh_cpu::decode_stack); }

@@ -16,9 +16,11 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const std::op
 // small_gemm.cpp: y = x @ w.T + b for x (a few dozen rows, K).
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
 
-// paged_attention.cpp: one query token per sequence against its paged K/V.
+// paged_attention.cpp: one query token per sequence against its paged K/V (its last
+// `window` tokens when window > 0).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window = 0);
 
 // fused_ops.cpp: the decoder's element-wise ops.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

@@ -1,7 +1,11 @@
 // Paged decode attention for CPU: one query token per sequence, keys and values read
 // in place from the paged cache through the block table (no gather copy, no padding).
 //
-//   out[b, h, :] = softmax(scale * q[b, h, :] . K[b, t, h/G, :] for t < len[b]) @ V[b, :, h/G, :]
+//   out[b, h, :] = softmax(scale * q[b, h, :] . K[b, t, h/G, :] for lo[b] <= t < len[b]) @ V[b, :, h/G, :]
+//
+// lo[b] = max(0, len[b] - window) for a sliding-window layer (window > 0), else 0: the
+// tokens before a window are never read (their blocks may have been freed and reused, see
+// engine/kv_cache_manager.py), and a long context costs window-sized work.
 //
 // Shapes: q, out (B, H, D); k_cache, v_cache (num_blocks, block_size, KVH, D) contiguous,
 // float32 / bfloat16 / float16 (the model's dtype); block_tables (B, max_blocks) int64;
@@ -310,7 +314,7 @@ std::vector<Group> shared_groups(const int64_t* tp, const int64_t* lp, int64_t B
 
 template <typename scalar_t>
 void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                   const at::Tensor& tables, const at::Tensor& lens, double scale) {
+                   const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = kc.size(1), KVH = kc.size(2), G = H / KVH;
   const int64_t max_blocks = tables.size(1);
@@ -326,14 +330,25 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   // Partition contexts only when sequences alone cannot keep every thread busy (small
   // batches); a partition is at least kMinPart tokens so the merge stays cheap.
   constexpr int64_t kMinPart = 128;
+  // First token each sequence attends; partitions are laid over [lo, len).
+  std::vector<int64_t> lo(B, 0);
   int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, lp[b]);
+  for (int64_t b = 0; b < B; ++b) {
+    if (window > 0) lo[b] = std::max<int64_t>(0, lp[b] - window);
+    max_len = std::max(max_len, lp[b] - lo[b]);
+  }
   int64_t parts = 1;
   if (B < 4 * threads) parts = std::max<int64_t>(1, std::min((4 * threads + B - 1) / B, max_len / kMinPart));
   const int64_t part_len = (max_len + parts - 1) / parts;
 
+  // Cascade over shared prefixes only for full attention: a window skips the prefix anyway.
   std::vector<int64_t> order;
-  const std::vector<Group> groups = shared_groups(tp, lp, B, max_blocks, bs, order);
+  const std::vector<Group> groups =
+      window > 0 ? std::vector<Group>() : shared_groups(tp, lp, B, max_blocks, bs, order);
+  if (window > 0) {
+    order.resize(B);
+    std::iota(order.begin(), order.end(), 0);
+  }
   std::vector<int64_t> own_from(B, 0);  // first token a sequence attends on its own
   int64_t max_group = 1;
   for (const Group& gr : groups) {
@@ -343,7 +358,7 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
 
   // Tasks: (sequence, partition) over the tokens it attends alone, and (group, partition)
   // over a group's shared tokens; longest work first so dynamic scheduling balances them.
-  // Partition p covers tokens [p * part_len, (p + 1) * part_len), clipped to the task's range.
+  // Partition p covers tokens lo + [p * part_len, (p + 1) * part_len), clipped to the task's range.
   struct Task {
     int64_t b, group, p, begin, end;  // group -1: a sequence's own tokens
   };
@@ -351,7 +366,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   tasks.reserve((B + groups.size()) * parts);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t p = 0; p < parts; ++p) {
-      const int64_t begin = std::max(own_from[b], p * part_len), end = std::min(lp[b], (p + 1) * part_len);
+      const int64_t begin = std::max(own_from[b], lo[b] + p * part_len);
+      const int64_t end = std::min(lp[b], lo[b] + (p + 1) * part_len);
       if (begin < end) tasks.push_back({b, -1, p, begin, end});
     }
   for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi)
@@ -443,7 +459,9 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
 namespace kvmesh_cpu {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV cache must be contiguous");
@@ -457,9 +475,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     TORCH_CHECK(lens.data_ptr<int64_t>()[b] >= 1, "every sequence needs at least one context token");
   auto out = at::empty_like(qc);
   switch (q.scalar_type()) {
-    case at::kFloat: decode_kernel<float>(out, qc, k_cache, v_cache, tables, lens, scale); break;
-    case at::kBFloat16: decode_kernel<at::BFloat16>(out, qc, k_cache, v_cache, tables, lens, scale); break;
-    case at::kHalf: decode_kernel<at::Half>(out, qc, k_cache, v_cache, tables, lens, scale); break;
+    case at::kFloat: decode_kernel<float>(out, qc, k_cache, v_cache, tables, lens, scale, window); break;
+    case at::kBFloat16: decode_kernel<at::BFloat16>(out, qc, k_cache, v_cache, tables, lens, scale, window); break;
+    case at::kHalf: decode_kernel<at::Half>(out, qc, k_cache, v_cache, tables, lens, scale, window); break;
     default: TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16, not ", q.scalar_type());
   }
   return out;
@@ -469,7 +487,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(kvmesh, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_decode_attention", &kvmesh_cpu::paged_decode_attention); }

@@ -3,7 +3,12 @@
 // written there first), causal, GQA-aware.
 //
 //   out[q_start + i, h, :] = softmax(scale * q[q_start + i, h, :] . K[t, h / G, :]
-//                                    for t <= start_pos + i) @ V[:, h / G, :]
+//                                    for lo_i <= t <= start_pos + i) @ V[:, h / G, :]
+//
+// lo_i = max(0, start_pos + i - window + 1) for a sliding-window layer (window > 0), else 0.
+// Keys before the window of the chunk's first query are never read (their blocks may have
+// been freed and reused: engine/kv_cache_manager.py) nor packed, and key tiles wholly before
+// a query tile's window are skipped, so a long context costs window-sized work.
 //
 // Shapes: q, out (T, H, D) (only the spans' rows of out are written); k_cache, v_cache
 // (num_blocks, block_size, KVH, D) contiguous, float32 / bfloat16 / float16; block_tables
@@ -127,8 +132,10 @@ inline void pv_rows(const float* p, int64_t nk, const scalar_t* const* vrows, fl
 
 // One sequence's span and where its packed K starts.
 struct Seq {
-  int64_t q_start, q_len, start_pos, ctx, ld;  // ld: ctx rounded up to whole key tiles
-  int64_t kt_offset;                            // into the packed buffer, for KV head 0
+  int64_t q_start, q_len, start_pos, ctx;
+  int64_t kbase;      // first key packed: the window start of the first query (0 without a window)
+  int64_t ld;         // ctx - kbase rounded up to whole key tiles
+  int64_t kt_offset;  // into the packed buffer, for KV head 0
 };
 
 struct Task {
@@ -138,7 +145,7 @@ struct Task {
 
 template <typename scalar_t>
 void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                    const at::Tensor& tables, const at::Tensor& spans, double scale) {
+                    const at::Tensor& tables, const at::Tensor& spans, double scale, int64_t window) {
   const int64_t H = q.size(1), D = q.size(2);
   const int64_t bs = kc.size(1), KVH = kc.size(2), G = H / KVH;
   const int64_t S = spans.size(0), max_blocks = tables.size(1);
@@ -159,14 +166,15 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
     x.q_len = sp[3 * s + 1];
     x.start_pos = sp[3 * s + 2];
     x.ctx = x.start_pos + x.q_len;
-    x.ld = round_up(x.ctx, NK);
+    x.kbase = window > 0 ? std::max<int64_t>(0, x.start_pos - window + 1) : 0;
+    x.ld = round_up(x.ctx - x.kbase, NK);
     x.kt_offset = kt_size;
     kt_size += KVH * D * x.ld;
   }
   auto kt_buf = at::empty({kt_size}, at::kFloat);
   float* kt = kt_buf.data_ptr<float>();
 
-  // Pack K per (sequence, KV head) as transposed key tiles: kt[tile][d][j] = K[tile NK + j][h][d],
+  // Pack K per (sequence, KV head) as transposed key tiles: kt[tile][d][j] = K[kbase + tile NK + j][h][d],
   // zero beyond ctx.
   struct Piece {
     int64_t s, h, t0;
@@ -181,9 +189,9 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
       const Seq& x = seqs[pc.s];
       float* dst = kt + x.kt_offset + pc.h * D * x.ld + pc.t0 * D;
       const int64_t* table = tp + pc.s * max_blocks;
-      const int64_t n = std::min(NK, x.ctx - pc.t0);
+      const int64_t n = std::min(NK, x.ctx - x.kbase - pc.t0);
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t t = pc.t0 + j;
+        const int64_t t = x.kbase + pc.t0 + j;
         const scalar_t* src = kp + (table[t / bs] * bs + t % bs) * row_stride + pc.h * D;
         for (int64_t d = 0; d < D; ++d) dst[d * NK + j] = static_cast<float>(src[d]);
       }
@@ -196,8 +204,9 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
   for (int64_t s = 0; s < S; ++s)
     for (int64_t h = 0; h < KVH; ++h)
       for (int64_t i0 = 0; i0 < seqs[s].q_len; i0 += MQ) {
-        const int64_t mq = std::min(MQ, seqs[s].q_len - i0);
-        tasks.push_back({s, h, i0, mq * (seqs[s].start_pos + i0 + mq)});
+        const int64_t mq = std::min(MQ, seqs[s].q_len - i0), pos0 = seqs[s].start_pos + i0;
+        const int64_t first = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+        tasks.push_back({s, h, i0, mq * (pos0 + mq - first)});
       }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
@@ -216,7 +225,8 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
       const int64_t mq = std::min(MQ, x.q_len - tk.i0);
       const int64_t R = mq * G, RP = round_up(R, RPAD);
       const int64_t pos0 = x.start_pos + tk.i0;  // position of the tile's first query
-      const int64_t kend = pos0 + mq;            // keys [0, kend) are visible to some row
+      const int64_t kend = pos0 + mq;            // keys [kfirst, kend) are visible to some row
+      const int64_t kfirst = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
       const float* ktp = kt + x.kt_offset + tk.h * D * x.ld;
 
       for (int64_t i = 0; i < mq; ++i)
@@ -230,7 +240,8 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
       std::fill(m.begin(), m.begin() + RP, -INFINITY);
       std::fill(l.begin(), l.begin() + RP, 0.f);
 
-      for (int64_t k0 = 0; k0 < kend; k0 += NK) {
+      // Key tiles are aligned to kbase (the packed layout); start at the one holding kfirst.
+      for (int64_t k0 = x.kbase + (kfirst - x.kbase) / NK * NK; k0 < kend; k0 += NK) {
         const int64_t nk = std::min(NK, kend - k0);
         const int64_t nkc = round_up(nk, QK_C * W);  // the packed K is zero up to the tile's end
         for (int64_t n = 0; n < nk; ++n) {
@@ -239,22 +250,27 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
         }
         for (int64_t r0 = 0; r0 < RP; r0 += QK_R)
           for (int64_t n0 = 0; n0 < nkc; n0 += QK_C * W)
-            qk_tile(qbuf.data() + r0 * D, D, ktp + k0 * D + n0, sbuf.data() + r0 * NK + n0);
-        // Online softmax per row: row r is query position pos0 + r / G and sees keys <= it.
+            qk_tile(qbuf.data() + r0 * D, D, ktp + (k0 - x.kbase) * D + n0, sbuf.data() + r0 * NK + n0);
+        // Online softmax per row: row r is query position p = pos0 + r / G and sees keys
+        // (p - window, p]: tile columns [n_lo, nv).
         for (int64_t r = 0; r < RP; ++r) {
           float* s = sbuf.data() + r * NK;
-          const int64_t nv = r < R ? std::clamp<int64_t>(pos0 + r / G - k0 + 1, 0, nk) : 0;
-          if (nv == 0) {
+          const int64_t p = pos0 + r / G;
+          const int64_t nv = r < R ? std::clamp<int64_t>(p - k0 + 1, 0, nk) : 0;
+          const int64_t n_lo = window > 0 ? std::clamp<int64_t>(p - window + 1 - k0, 0, nk) : 0;
+          if (nv <= n_lo) {
             std::fill(s, s + nk, 0.f);
             continue;
           }
-          // Whole vectors over the valid keys; the lanes past nv in the last one are masked to
-          // -inf for the max and to exactly 0 after the exponential.
+          // Whole vectors over the valid keys; the lanes before n_lo and past nv in the last
+          // one are masked to -inf for the max and to exactly 0 after the exponential.
           const int64_t nvw = round_up(nv, W);
+          for (int64_t j = 0; j < n_lo; ++j) s[j] = -INFINITY;
           for (int64_t j = nv; j < nvw; ++j) s[j] = -INFINITY;
           const float mx = vmax_row(s, nvw, m[r]);
           const float sum = vexp_row(s, nvw, mx);  // the masked lanes add ~1e-38 each to a sum >= 1: nothing
           std::fill(s + nv, s + nk, 0.f);
+          std::fill(s, s + n_lo, 0.f);
           if (m[r] != -INFINITY) {
             const float alpha = exp_approx(m[r] - mx);
             if (alpha != 1.f) {
@@ -292,7 +308,8 @@ namespace kvmesh_cpu {
 
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& spans,
-                             double scale) {
+                             double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "out must be a contiguous tensor shaped like q");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
@@ -317,9 +334,9 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
                 "'s context needs more blocks than its table has");
   }
   switch (q.scalar_type()) {
-    case at::kFloat: prefill_kernel<float>(out, qc, k_cache, v_cache, tables, sp, scale); break;
-    case at::kBFloat16: prefill_kernel<at::BFloat16>(out, qc, k_cache, v_cache, tables, sp, scale); break;
-    case at::kHalf: prefill_kernel<at::Half>(out, qc, k_cache, v_cache, tables, sp, scale); break;
+    case at::kFloat: prefill_kernel<float>(out, qc, k_cache, v_cache, tables, sp, scale, window); break;
+    case at::kBFloat16: prefill_kernel<at::BFloat16>(out, qc, k_cache, v_cache, tables, sp, scale, window); break;
+    case at::kHalf: prefill_kernel<at::Half>(out, qc, k_cache, v_cache, tables, sp, scale, window); break;
     default:
       TORCH_CHECK(false, "paged_prefill_attention supports float32, bfloat16 and float16, not ", q.scalar_type());
   }
@@ -329,7 +346,7 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor spans, float scale) -> ()");
+        "Tensor spans, float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_prefill_attention", &kvmesh_cpu::paged_prefill_attention); }
