@@ -207,6 +207,20 @@ def test_engine_greedy_matches_transformers(engine_and_hf, gemma_dir):
 
 
 @pytest.mark.slow
+def test_engine_past_the_sliding_window_matches_transformers(engine_and_hf):
+    """A prompt longer than the 512-token window: the sliding layers see only its tail."""
+    engine, hf = engine_and_hf
+    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} marbles." for i in range(60))
+    prompt = engine.encode(text + " The box of item 3 holds")
+    assert 600 < len(prompt) < 900
+    tokens, logits = run_collecting_logits(engine, [prompt], SamplingParams(max_tokens=8, temperature=0,
+                                                                            ignore_eos=True))
+    assert tokens["r0"] == hf_greedy(hf, prompt, 8)
+    assert_logits_close(torch.stack(logits["r0"]), hf_step_logits(hf, prompt, tokens["r0"]))
+    assert engine.num_free_blocks == engine.num_usable_blocks
+
+
+@pytest.mark.slow
 def test_engine_chat_matches_transformers(engine_and_hf):
     engine, hf = engine_and_hf
     ids = engine.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
