@@ -17,6 +17,7 @@ import torch
 from helpers import assert_logits_close, hf_greedy, hf_step_logits, run_collecting_logits
 from kvmesh import SamplingParams
 from kvmesh.checkpoint.files import load_tokenizer, resolve_model_path
+from kvmesh.checkpoint.gguf_convert import converted_source
 from kvmesh.checkpoint.packaged import GEMMA3_270M
 from kvmesh.models.arch import ArchConfig
 
@@ -65,7 +66,7 @@ def test_names_resolve_to_one_cached_folder(gemma_dir, gguf_file):
     assert resolve_model_path("google/gemma-3-270m", progress=False) == gemma_dir
     assert resolve_model_path(str(gguf_file), progress=False) == gemma_dir  # the file itself
     assert resolve_model_path(str(gguf_file.parent), progress=False) == gemma_dir  # its folder (one *.gguf)
-    assert json.loads((gemma_dir / ".complete").read_text())["source_path"] == str(gguf_file.resolve())
+    assert converted_source(gemma_dir) == gguf_file.resolve()
     assert not list(gemma_dir.parent.glob(f".{gemma_dir.name}.tmp-*"))
 
 

@@ -69,3 +69,9 @@ def test_llama_gguf_by_path_converts_as_the_embedded_model(tmp_path, monkeypatch
                  "tokenizer_config.json"):
         assert filecmp.cmp(reference / name, folder / name, shallow=False), name
     assert converted_source(folder) == src.resolve()
+    copy = tmp_path / "elsewhere" / src.name  # the same file at another path: the same folder, kept
+    copy.parent.mkdir()
+    copy.write_bytes(src.read_bytes())
+    before = (folder / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model_path(str(copy), progress=False) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == before

@@ -130,9 +130,13 @@ def source_key(src: Path) -> str:
     return h.hexdigest()[:12]
 
 
+_SOURCE = ".source"  # the path the folder was converted from (not part of its identity)
+
+
 def _marker(src: Path, key: str) -> dict[str, Any]:
+    # Content, not path: the same file at another path reuses the folder.
     return {"source": src.name, "source_size": src.stat().st_size, "source_key": key,
-            "source_path": str(src.resolve()), "format_version": FORMAT_VERSION}
+            "format_version": FORMAT_VERSION}
 
 
 def converted_dir(src: Path, key: str | None = None) -> Path:
@@ -147,15 +151,18 @@ def ensure_gguf_folder(src: Path, progress: bool = True) -> Path:
         raise ModelNotFoundError(f"model: GGUF file {src} not found")
     key = source_key(src)
     target = converted_dir(src, key)
-    return build_once(target, _marker(src, key), lambda tmp: convert_gguf(src, tmp, progress),
-                      target.parent / f".{target.name}.lock")
+
+    def build(tmp: Path) -> None:
+        convert_gguf(src, tmp, progress)
+        (tmp / _SOURCE).write_text(json.dumps({"path": str(src.resolve())}) + "\n")
+
+    return build_once(target, _marker(src, key), build, target.parent / f".{target.name}.lock")
 
 
 def converted_source(folder: Path) -> Path | None:
     """The GGUF a cache folder made by ensure_gguf_folder came from (if still there), else None."""
     try:
-        marker = json.loads((folder / ".complete").read_text())
-        src = Path(marker["source_path"])
+        src = Path(json.loads((folder / _SOURCE).read_text())["path"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return src if src.is_file() and is_complete(folder, _marker(src, source_key(src))) else None
