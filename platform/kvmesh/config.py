@@ -17,8 +17,10 @@ class _Base(BaseModel):
 class ModelConfig(_Base):
     model: str | None = Field(
         None,
-        description="Local folder with config.json + *.safetensors (HF layout). "
-        "None serves the embedded SmolLM2-135M-Instruct. Nothing is downloaded.",
+        description="Local folder with config.json + *.safetensors (HF layout); a *.gguf file, or a folder "
+        "holding one (llama / gemma3, converted once into the kvmesh cache); or a packaged model's name "
+        "(`kvmesh models`: gemma-3-270m, google/gemma-3-270m). None serves the embedded "
+        "SmolLM2-135M-Instruct. Nothing is downloaded.",
     )
     tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to the model folder.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

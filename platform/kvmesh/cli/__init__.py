@@ -1,4 +1,5 @@
-"""The `kvmesh` command: generate, serve (Ray or --local), worker, router, quantize, optimize, sim.
+"""The `kvmesh` command: generate, serve (Ray or --local), worker, router, quantize, optimize, sim,
+models.
 
 Subcommands live one per module; engine flags are generated from EngineConfig
 (cli/args.py), so every engine option is reachable from every subcommand that runs an
@@ -11,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from kvmesh.cli import generate, processes, serve, sim
+from kvmesh.cli import generate, models, processes, serve, sim
 from kvmesh.errors import KVMeshError
 from kvmesh.optimize.cli import add_optimize_parser
 
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_quantize_parser(sub)
     add_optimize_parser(sub)
     sim.add_parser(sub)
+    models.add_parser(sub)
     return parser
 
 

@@ -18,7 +18,8 @@ a row permutation moves every per-row tensor alike.
 
 Which GGUF: the one a checkpoint folder was converted from. For the embedded
 SmolLM2-135M-Instruct that is the packaged `SmolLM2-135M-Instruct.Q4_1.gguf` (so
-`kvmesh generate --quantization gguf` serves its 4-bit weights as shipped); any other
+`kvmesh generate --quantization gguf` serves its 4-bit weights as shipped), for a folder
+converted from `--model file.gguf` the file it came from; any other
 folder must hold exactly one `*.gguf` beside its config.json (tokenizer and config come
 from the folder, weights from the GGUF). Other GGUF types (K-quants, IQ*) are refused
 with the list of supported ones.
@@ -34,6 +35,8 @@ import numpy as np
 import torch
 
 from kvmesh.checkpoint.embedded import gguf_source, hf_tensor_name, unpermute_rows
+from kvmesh.checkpoint.gguf_convert import converted_source
+from kvmesh.checkpoint.gguf_header import GGUFHeader as _Header
 from kvmesh.errors import ConfigError
 from kvmesh.quant.primitives import pack_int4
 
@@ -46,7 +49,7 @@ _TYPES = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q8_0": ("int8", 34),
 
 def find_gguf(path: Path) -> Path:
     """The GGUF file that `path` (a checkpoint folder) was converted from."""
-    src = gguf_source(path)
+    src = gguf_source(path) or converted_source(path)
     if src is not None:
         return src
     files = sorted(path.glob("*.gguf"))
@@ -109,87 +112,6 @@ def _permute_rows(t: dict[str, torch.Tensor] | torch.Tensor, n_head: int):
     if isinstance(t, dict):
         return {k: torch.from_numpy(np.ascontiguousarray(unpermute_rows(v.numpy(), n_head))) for k, v in t.items()}
     return torch.from_numpy(np.ascontiguousarray(unpermute_rows(t.numpy(), n_head)))
-
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
-class _Header:
-    """A GGUF file's scalar metadata and tensor table, parsed directly.
-
-    gguf.GGUFReader builds a numpy view per element of every metadata array (the
-    49,152-token vocabulary and its merges): ~10 s for SmolLM2, longer than loading
-    the weights. This walks the same layout (GGUF v2 / v3) and skips arrays.
-    """
-
-    def __init__(self, path: Path):
-        import struct
-
-        self.buf = np.memmap(path, dtype=np.uint8, mode="r")
-        raw = memoryview(self.buf)
-        self.pos = 0
-
-        def read(fmt: str):
-            (v,) = struct.unpack_from(fmt, raw, self.pos)
-            self.pos += struct.calcsize(fmt)
-            return v
-
-        def string() -> str:
-            n = read("<Q")
-            self.pos += n
-            return bytes(raw[self.pos - n:self.pos]).decode("utf-8")
-
-        def skip(vtype: int) -> None:
-            if vtype == _STRING:
-                n = read("<Q")  # read first: `self.pos += read()` would drop its advance
-                self.pos += n
-            elif vtype == _ARRAY:
-                etype, n = read("<I"), read("<Q")
-                if etype in _SCALARS:
-                    self.pos += n * struct.calcsize(_SCALARS[etype])
-                else:
-                    for _ in range(n):
-                        skip(etype)
-            else:
-                self.pos += struct.calcsize(_SCALARS[vtype])
-
-        magic = bytes(raw[:4])
-        self.pos = 4
-        version = read("<I")
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ConfigError(f"model.quantization: {path} is not a GGUF v2 / v3 file")
-        n_tensors, n_kv = read("<Q"), read("<Q")
-        self.meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key, vtype = string(), read("<I")
-            if vtype == _STRING:
-                self.meta[key] = string()
-            elif vtype in _SCALARS:
-                self.meta[key] = read(_SCALARS[vtype])
-            else:
-                skip(vtype)
-        self.tensors: list[tuple[str, int, tuple[int, ...], int]] = []  # name, ggml type, HF shape, offset
-        for _ in range(n_tensors):
-            name, ndim = string(), read("<I")
-            dims = [read("<Q") for _ in range(ndim)]
-            ttype, offset = read("<I"), read("<Q")
-            self.tensors.append((name, ttype, tuple(reversed(dims)), offset))  # GGUF lists dims innermost first
-        align = int(self.meta.get("general.alignment", 32))
-        self.data_start = (self.pos + align - 1) // align * align
-
-    def data(self, ttype_name: str, shape: tuple[int, ...], offset: int) -> np.ndarray:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[ttype_name]]
-        size = int(np.prod(shape)) // block * nbytes
-        start = self.data_start + offset
-        raw = self.buf[start:start + size]
-        if ttype_name in ("F32", "F16"):
-            return raw.view(np.float32 if ttype_name == "F32" else np.float16)
-        if ttype_name == "BF16":  # bfloat16 is the high half of a float32
-            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        return raw
 
 
 def read_gguf(src: Path, cfg) -> tuple[dict[str, str], Iterator[tuple[str, torch.Tensor]]]:
