@@ -10,6 +10,7 @@ Everything below is built by constructor arguments; nothing is rewired afterward
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,7 +116,7 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
         connector = StoreConnector(create_store(config.kv_store), codec, runner, config.kv_store_ttl_s)
     info = ModelInfo(path=str(path), fingerprint=fingerprint, vocab_size=arch.vocab_size,
                      max_model_len=max_model_len, eos_token_id=_eos_token_id(tokenizer, arch),
-                     kv_window=arch.kv_window)
+                     eos_token_ids=_eos_token_ids(path, tokenizer, arch), kv_window=arch.kv_window)
     logger.info("kvmesh engine: %s, %d KV blocks x %d tokens, max_model_len %d",
                 path, num_blocks, cc.block_size, max_model_len)
     return EngineParts(config, tokenizer, info, arch, Executor(runner, proposer), connector)
@@ -225,6 +226,18 @@ def _auto_num_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.devi
     else:
         budget = int(config.cache.kv_cache_memory_gb * (1 << 30))
     return max(budget // spec.bytes_per_block, 2)
+
+
+def _eos_token_ids(path: Path, tokenizer, arch: ArchConfig) -> tuple[int, ...]:
+    """Every id that ends a generation: the tokenizer's eos, config.json's and
+    generation_config.json's `eos_token_id` (an id or a list), as vLLM reads them."""
+    ids = [_eos_token_id(tokenizer, arch), *arch.eos_token_ids]
+    try:
+        gen = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        gen = None
+    ids += gen if isinstance(gen, list) else [gen]
+    return tuple(dict.fromkeys(int(t) for t in ids if t is not None))
 
 
 def _eos_token_id(tokenizer, arch: ArchConfig) -> int | None:

@@ -139,6 +139,20 @@ def test_stop_token_and_length():
     assert r3.status == RequestStatus.FINISHED_STOPPED
 
 
+def test_every_eos_id_of_the_model_stops_unless_ignore_eos():
+    # Chat models end a turn on another id than the tokenizer's eos (Gemma 3's <end_of_turn>).
+    s, _ = make()
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=10), eos_token_id=1, eos_token_ids=(1, 7))
+    s.add_request(r)
+    _, res = run_step(s, token=7)
+    assert res[0].finished and r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason is None
+    r2 = Request("b", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), eos_token_id=1, eos_token_ids=(7,))
+    s.add_request(r2)
+    run_step(s, token=7)
+    _, res = run_step(s, token=7)
+    assert res[0].finished and r2.status == RequestStatus.FINISHED_LENGTH
+
+
 def test_max_model_len_caps_output():
     s, _ = make(max_len=6)
     r = req("a", 4, max_tokens=100)

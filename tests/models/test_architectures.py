@@ -233,3 +233,28 @@ def test_weight_quantization_covers_the_new_layouts(model_factory, name):
         for i, prompt in enumerate(prompts):
             ref = hf_step_logits(hf, prompt, tokens[f"r{i}"])
             assert (torch.stack(logits[f"r{i}"]) - ref).abs().max() <= bound * ref.abs().max(), (scheme, i)
+
+
+def test_generation_config_eos_ids_end_a_generation(model_factory, tmp_path):
+    """Every id of config.json / generation_config.json `eos_token_id` stops a request (as
+    vLLM reads them), not just the tokenizer's eos."""
+    src = model_factory(**CONFIGS["qwen3"])
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    probe = build_engine(model=str(src), progress=False, block_size=4, num_blocks=64)
+    prompt = _prompts(384, [9])[0]
+    out = probe.generate_tokens(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) \
+        if hasattr(probe, "generate_tokens") else None
+    if out is None:
+        tokens, _ = run_collecting_logits(probe, [prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        out = tokens["r0"]
+    third = out[2]
+    assert third not in out[:2]
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, third]
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    engine = build_engine(model=str(tmp_path), progress=False, block_size=4, num_blocks=64)
+    assert engine.eos_token_ids == (2, third)
+    tokens, _ = run_collecting_logits(engine, [prompt], SamplingParams(max_tokens=6, temperature=0))
+    assert tokens["r0"] == out[:3]  # stopped on it, the eos id itself the last token
+    assert engine.num_free_blocks == engine.num_usable_blocks

@@ -80,6 +80,7 @@ class LLMEngine:
         self.fingerprint = model.fingerprint
         self.max_model_len = model.max_model_len
         self.eos_token_id = model.eos_token_id
+        self.eos_token_ids = model.eos_token_ids
         cc, sc = config.cache, config.scheduler
         # A draft model's cache shares the target's block ids and catches up from behind the
         # target's window (its first proposal prefills from position 0): keep every block.
@@ -169,7 +170,8 @@ class LLMEngine:
         self.validate_prompt_ids(ids)
         if hold_kv:
             self._check_held_fits(len(ids), params.max_tokens)
-        req = Request(request_id, ids, params, self.eos_token_id, prompt=text, arrival_time=arrival_time)
+        req = Request(request_id, ids, params, self.eos_token_id, prompt=text, arrival_time=arrival_time,
+                      eos_token_ids=self.eos_token_ids)
         req.hold_kv = hold_kv
         self.scheduler.add_request(req)
         self._states[request_id] = _OutputState(

@@ -29,6 +29,9 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int  # prompt + output tokens per request, already fitted to the cache
     eos_token_id: int | None
+    # Every id that ends a generation (eos_token_id first): chat models list more than one in
+    # config.json / generation_config.json (Gemma 3's <end_of_turn>, Llama 3's <|eot_id|>).
+    eos_token_ids: tuple[int, ...] = ()
     # The window when every layer slides (ArchConfig.kv_window): KV blocks wholly before a
     # request's window are freed while it runs (engine/kv_cache_manager.py). None: kept.
     kv_window: int | None = None

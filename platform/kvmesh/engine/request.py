@@ -39,12 +39,15 @@ class Request:
         eos_token_id: int | None = None,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
+        # Every id that ends the generation unless ignore_eos: eos_token_id and the model's others.
+        self.eos_ids = frozenset(t for t in (eos_token_id, *eos_token_ids) if t is not None)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         # Invariant: all_token_ids == prompt_token_ids + output_token_ids.
