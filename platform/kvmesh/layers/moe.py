@@ -89,8 +89,12 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n
     order), so expert e's rows are one contiguous block of the gathered input and `expert(e,
     rows)` runs once per active expert. The weighted outputs are scattered back by one
     index_add in sorted order, i.e. each token's contributions are summed in ascending expert
-    id, the order of transformers' loop (same float sums)."""
+    id, the order of transformers' loop (same float sums). One token (batch-1 decode) skips
+    the sort and scatter: its k outputs are weighted and summed directly."""
     t, k = ids.shape
+    if t == 1:  # decode of one sequence: k experts of one row each, no grouping to do
+        ys = torch.cat([expert(e, x) for e in ids[0].tolist()])  # (k, H)
+        return (ys * weights.reshape(k, 1)).sum(dim=0, keepdim=True)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (T k,) pair index, grouped by expert
     counts = torch.bincount(flat, minlength=num_experts).tolist()  # the one host sync

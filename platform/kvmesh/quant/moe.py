@@ -109,7 +109,8 @@ class QuantFusedMoE(nn.Module):
         """After loading: check completeness and fix the activation dtype."""
         missing = self.missing()
         if missing:
-            raise ValueError(f"checkpoint is missing experts' weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            more = " ..." if len(missing) > 8 else ""
+            raise ValueError(f"checkpoint is missing experts' weights: {missing[:8]}{more}")
         self.ctx = self.ctx.moved(self.ctx.device, dtype)
         self._act = silu_and_mul_fn(self.ctx)
         self._fast = None
