@@ -68,10 +68,12 @@ def block_m_for(num_pairs: int, num_experts: int) -> int:
 def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids (T, k) -> (sorted pairs (P,) int32, padded with T k; expert per group (P / block_m,)
     int32, -1 past the last group). All on the ids' device, no host sync; P is an upper bound."""
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).long()
     n = flat.numel()
     groups = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the max id back to the host (a sync on CUDA)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
