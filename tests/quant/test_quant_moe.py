@@ -1,14 +1,19 @@
 """Quantized MoE experts (quant/moe.py): int8 / int4 QuantFusedMoE equal the float layer on
 their dequantized weights (native kernel and dequantize paths), stay within the scheme's
 quantization error of the float layer, and the loader's swap quantizes streamed expert
-tensors (per expert and fused) while the router gate stays float."""
+tensors (per expert and fused) while the router gate stays float; tiny Mixtral / Qwen3-MoE
+engines with --quantization int8 / int4 stay within the quantization error of transformers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import hf_step_logits, run_collecting_logits
 from torch import nn
+from transformers import AutoModelForCausalLM
 
+from kvmesh import SamplingParams
+from kvmesh.build import build_engine
 from kvmesh.config import KernelConfig
 from kvmesh.layers.linear import Linear
 from kvmesh.layers.moe import FusedMoE
@@ -168,3 +173,29 @@ def test_loader_quantizes_streamed_expert_tensors(names):
         want = quantized(f, "int4", 32)
         for p in ("w13", "w2"):
             assert torch.equal(q.dequantized(p), want.dequantized(p))
+
+
+@pytest.mark.parametrize("arch, extra", [("mixtral", {}), ("qwen3_moe", {"norm_topk_prob": True})])
+def test_engine_quantizes_the_experts_of_moe_models(model_factory, arch, extra):
+    """--quantization int8 / int4 on a tiny random Mixtral / Qwen3-MoE: every FusedMoE becomes
+    a QuantFusedMoE of the scheme, the router gates stay float Linears, and the logits stay
+    within the bounds tests/models/test_architectures.py accepts for the dense layouts."""
+    torch.set_num_threads(1)
+    path = model_factory(architecture=arch, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                         extra=extra)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 33)]
+    for scheme, bound in (("int8", 0.08), ("int4", 0.8)):
+        engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=128, quantization=scheme)
+        model = engine.executor.runner.model
+        experts = [m for n, m in model.named_modules() if n.endswith(".experts")]
+        gates = [m for n, m in model.named_modules() if n.endswith(".mlp.gate")]
+        assert experts and all(isinstance(m, QuantFusedMoE) and m.scheme == scheme for m in experts)
+        assert len(gates) == len(experts) and all(type(m) is Linear for m in gates)
+        assert not any(isinstance(m, FusedMoE) for m in model.modules())
+        tokens, logits = run_collecting_logits(engine, prompts, SamplingParams(max_tokens=4, temperature=0,
+                                                                               ignore_eos=True))
+        for i, prompt in enumerate(prompts):
+            ref = hf_step_logits(hf, prompt, tokens[f"r{i}"])
+            assert (torch.stack(logits[f"r{i}"]) - ref).abs().max() <= bound * ref.abs().max(), (scheme, i)
