@@ -22,6 +22,7 @@ model dtype -> finalize quantized modules (their buffers keep their own dtypes).
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ from kvmesh.checkpoint.files import iter_safetensors
 from kvmesh.errors import ConfigError
 from kvmesh.config import KernelConfig
 from kvmesh.layers.linear import Linear
+from kvmesh.layers.moe import FusedMoE, expert_tensor
 from kvmesh.layers.op import fast_paths_changed
 from kvmesh.models.loader import load_arch_config, load_float_model, op_context
 from kvmesh.models.registry import model_class
@@ -41,6 +43,7 @@ from kvmesh.quant import gguf_weights
 from kvmesh.quant.formats import CheckpointFormat, KVMeshFormat, format_from_config
 from kvmesh.quant.methods import EMBED_NAME, HEAD_NAME, LINEAR_NAMES, QuantMethod, get_method
 from kvmesh.quant.modules import QuantEmbedding, QuantLinear
+from kvmesh.quant.moe import QuantFusedMoE
 
 
 def read_quantization_config(path: Path) -> dict[str, Any] | None:
@@ -163,6 +166,42 @@ def _swap(model: nn.Module, plan: dict[str, str], tied: bool, device: torch.devi
     return routes
 
 
+def _layer_key(path: str) -> str:
+    """`model.layers.3.mlp.experts` -> `model.layers.3`: experts are matched to checkpoint names by
+    their decoder layer, whatever the MoE block is called (block_sparse_moe / mlp)."""
+    m = re.match(r"^(.*\.layers\.\d+)\.", path)
+    return m.group(1) if m else path
+
+
+def _swap_experts(model: nn.Module, method: QuantMethod, device: torch.device) -> dict[str, QuantFusedMoE]:
+    """Replace every FusedMoE by a QuantFusedMoE of the method's linear scheme; returns them
+    by decoder layer (see _layer_key). The router gates stay float Linears."""
+    new: dict[str, QuantFusedMoE] = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FusedMoE):
+            quantized = QuantFusedMoE.like(method.linear_scheme(), module, method.quantize_linear, device)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, quantized)
+            if _layer_key(name) in new:
+                raise ValueError(f"{_layer_key(name)} has more than one FusedMoE; quantized loading expects one")
+            new[_layer_key(name)] = quantized
+    if new:
+        fast_paths_changed()  # the model's layers are no longer the float ones its fast paths gathered
+    return new
+
+
+def _route_experts(weights: Iterable[tuple[str, torch.Tensor]],
+                   experts: dict[str, QuantFusedMoE]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Quantize expert tensors into their QuantFusedMoE as they stream by; yield the rest."""
+    for name, tensor in weights:
+        hit = expert_tensor(name) if experts else None
+        module = experts.get(_layer_key(hit[0])) if hit else None
+        if module is None:
+            yield name, tensor
+        else:
+            module.weight_loader(None, tensor, hit[1], hit[2])
+
+
 def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.device, max_positions: int,
                          quantization: str | None = None, group_size: int | None = None,
                          kernels: KernelConfig | None = None):
@@ -172,6 +211,11 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
     with torch.device("meta"):
         model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels))
     weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors(path)
+    if qc is not None or quantization == gguf_weights.METHOD:
+        if any(isinstance(m, FusedMoE) for m in model.modules()):
+            raise ConfigError("model.quantization: quantized MoE checkpoints (GPTQ / AWQ / kvmesh / GGUF) are not "
+                              "supported yet; load the float checkpoint with quantization int8 or int4")
+    experts: dict[str, QuantFusedMoE] = {}
     if qc is not None:
         if quantization is not None:
             raise ConfigError(f"model.quantization: {path} is already quantized "
@@ -186,7 +230,8 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
         method = get_method(quantization, group_size)
         fmt = KVMeshFormat()
         plan = _plan_from_method(model, method, tied)
-        weights = method.quantize_state_dict(weights, tied)
+        experts = _swap_experts(model, method, device)
+        weights = method.quantize_state_dict(_route_experts(weights, experts), tied)
     routes = _swap(model, plan, tied, device, kernels or KernelConfig())
     model = model.to_empty(device=device)
     if tied and isinstance(model.lm_head, Linear):
@@ -217,7 +262,7 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
     for param in model.parameters():
         param.data = param.data.to(dtype)
     for module in model.modules():
-        if isinstance(module, (QuantLinear, QuantEmbedding)):
+        if isinstance(module, (QuantLinear, QuantEmbedding, QuantFusedMoE)):
             module.finalize(dtype)
     model.init_rotary(device)
     model.eval()
