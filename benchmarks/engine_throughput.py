@@ -131,6 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llamacpp-venv", type=_venv, default=DEFAULT_LLAMACPP_VENV,
                    help="llama-cpp-python venv (scripts/install_llamacpp.sh), or 'none'")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    p.add_argument("--name", default=None,
+                   help="result file names (default engine_throughput, or engine_throughput_smoke with --smoke)")
     p.add_argument("--skip-hf", action="store_true", help="no transformers baselines (nor their sanity check)")
     p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
                    help="also run kvmesh in bf16 (offline and batch-1); auto: where the CPU multiplies bf16 "
@@ -156,7 +158,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.prompt_range, args.output_range = tuple(args.prompt_range), tuple(args.output_range)
     args.b1_prompt, args.b1_tokens = (8, 16) if small else (32, 64)
     args.bandwidth_repeats = 3 if small else 5
-    args.prefix = "engine_throughput_smoke" if args.smoke else "engine_throughput"
+    args.prefix = args.name or ("engine_throughput_smoke" if args.smoke else "engine_throughput")
     args.bf16 = args.bf16 == "on" or (args.bf16 == "auto" and native_bf16())
     return args
 

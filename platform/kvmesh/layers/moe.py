@@ -110,13 +110,21 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n
     return torch.zeros_like(x).index_add_(0, tokens, ys)
 
 
-def cpu_gemm(ctx: OpContext) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """y = x @ w.T on CPU for `ctx`'s dtype, the kernel chosen by the row count as
-    layers/linear.py chooses for a dense Linear, minus oneDNN (it needs a packed copy of the
-    weight). The small-batch GEMM also takes 5-7 rows here, where a Linear goes to oneDNN."""
+def gemm_rows(ctx: OpContext) -> tuple[int, int]:
+    """(skinny, small): expert groups of up to `skinny` rows take the skinny kernel, up to
+    `small` the small-batch one (0: not at all), as layers/linear.py chooses for a dense
+    Linear minus oneDNN (it needs a packed copy of the weight; the small-batch GEMM also takes
+    5-7 rows here, where a Linear goes to oneDNN)."""
     native, dtype = ctx.native, ctx.dtype
     skinny = SKINNY_KERNEL_ROWS if native and dtype in SKINNY_DTYPES else 0
     small = SMALL_GEMM_ROWS[1] if native and ctx.kernels.small_gemm and dtype == torch.float32 else 0
+    return skinny, small
+
+
+def cpu_gemm(ctx: OpContext) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """y = x @ w.T on CPU for `ctx`'s dtype, the kernel chosen by the row count (gemm_rows)."""
+    skinny, small = gemm_rows(ctx)
+    dtype = ctx.dtype
     skinny_op = torch.ops.kvmesh.skinny_linear if skinny else None
     small_op = torch.ops.kvmesh.small_linear if small else None
 
@@ -174,6 +182,7 @@ class FusedMoE(CustomOp):
     def bind(self) -> None:
         super().bind()
         self._gemm = cpu_gemm(self.ctx)
+        self._rows = gemm_rows(self.ctx)
         self._act = silu_and_mul_fn(self.ctx)
         self._reduce = self.ctx.tp.size > 1
 
@@ -190,6 +199,18 @@ class FusedMoE(CustomOp):
         return self._all_reduce(out)
 
     def forward_cpu(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """`grouped_experts` on the native GEMMs, the loop over experts in C++ (csrc/moe.cpp):
+        the same kernels per group without four interpreted ops per active expert (a
+        Qwen3-MoE-shaped layer, 32 experts: 1.77 vs 2.26 ms at 8 tokens, 3.02 vs 3.66 at 32).
+        One token keeps the Python path, which skips the sort (0.27 vs 0.68 ms)."""
+        if x.shape[0] == 1:
+            return self.forward_cpu_loop(x, router_logits)
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        out = torch.ops.kvmesh.moe_experts(x, weights, ids, self.w13, self.w2, *self._rows)
+        return self._all_reduce(out)
+
+    def forward_cpu_loop(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """forward_cpu with the loop over experts in Python (the reference for the C++ op)."""
         weights, ids = route(router_logits, self.top_k, self.renormalize)
         w13, w2, gemm, act = self.w13, self.w2, self._gemm, self._act
 
