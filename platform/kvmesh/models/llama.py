@@ -22,12 +22,11 @@ from kvmesh.layers.attention import AttentionBackend, AttentionMetadata
 from kvmesh.layers.decode_stack import DecodeStack, StackLayer
 from kvmesh.layers.linear import Linear, MergedColumnLinear
 from kvmesh.layers.norm import RMSNorm
-from kvmesh.layers.moe import FusedMoE
+from kvmesh.layers.moe import FusedMoE, expert_tensor
 from kvmesh.layers.op import OpContext, fast_paths_changed
 from kvmesh.layers.rotary import RotaryQKV
 from kvmesh.models.arch import ArchConfig
-from kvmesh.models.moe import (EXPERT_SHARDS, EXPERT_TENSOR, FUSED_EXPERT_SHARDS, FUSED_EXPERT_TENSOR, SparseMoeBlock,
-                               expert_keys)
+from kvmesh.models.moe import SparseMoeBlock, expert_keys
 from kvmesh.models.rope import RotaryEmbedding
 
 
@@ -150,17 +149,10 @@ class CausalLMWeights(nn.Module):
         """HF tensor name -> (parameter name, shard, expert id)."""
         for old, new in self.renamed_modules.items():
             name = name.replace(old, new)
-        match = EXPERT_TENSOR.match(name)
-        if match:  # per-expert tensors: `<layer>.mlp.experts.<e>.<proj>.weight`
-            prefix, expert, proj = match.groups()
-            if proj not in EXPERT_SHARDS:
-                raise ValueError(f"checkpoint tensor {name!r}: unknown expert projection {proj!r}")
-            shard = EXPERT_SHARDS[proj]
-            return f"{prefix}.experts.{'w2' if shard == 'down' else 'w13'}", shard, int(expert)
-        match = FUSED_EXPERT_TENSOR.match(name)
-        if match:  # all experts in one tensor (transformers 5.x in-memory layout)
-            prefix, proj = match.groups()
-            return f"{prefix}.experts.{'w2' if proj == 'down_proj' else 'w13'}", FUSED_EXPERT_SHARDS[proj], None
+        expert = expert_tensor(name)
+        if expert is not None:  # `<layer>.mlp.experts.<e>.<proj>.weight`, or all experts in one tensor
+            experts, expert_id, shard = expert
+            return f"{experts}.{'w2' if shard == 'down' else 'w13'}", shard, expert_id
         for ckpt, (merged, shard_id) in self.packed_modules.items():
             if f".{ckpt}." in name:
                 return name.replace(f".{ckpt}.", f".{merged}."), shard_id, None

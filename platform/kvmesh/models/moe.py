@@ -3,12 +3,11 @@
 Checkpoints store each expert's projections apart (`mlp.experts.<e>.gate_proj.weight`,
 Mixtral's `block_sparse_moe.experts.<e>.w1.weight`) or, as transformers 5.x holds them in
 memory, all experts in one tensor (`mlp.experts.gate_up_proj` (E, 2I, H),
-`mlp.experts.down_proj` (E, H, I)); both load into FusedMoE's w13 / w2.
+`mlp.experts.down_proj` (E, H, I)); both load into FusedMoE's w13 / w2 (names parsed by
+layers/moe.py `expert_tensor`).
 """
 
 from __future__ import annotations
-
-import re
 
 import torch
 from torch import nn
@@ -17,12 +16,6 @@ from kvmesh.layers.linear import Linear
 from kvmesh.layers.moe import FusedMoE
 from kvmesh.layers.op import OpContext
 from kvmesh.models.arch import ArchConfig
-
-EXPERT_TENSOR = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(\w+)\.weight$")
-FUSED_EXPERT_TENSOR = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
-# checkpoint projection name -> FusedMoE shard
-EXPERT_SHARDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-FUSED_EXPERT_SHARDS = {"gate_up_proj": "gate_up", "down_proj": "down"}
 
 
 def expert_keys(param_name: str, num_experts: int, expert: int | None, shard: str) -> set[str]:
