@@ -146,3 +146,20 @@ def test_pruned_checkpoint_kvmesh_equals_transformers(base, tmp_path):
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma3", "qwen3_moe"])
+def test_layouts_the_plan_does_not_know_are_refused_by_name(model_factory, tmp_path, architecture):
+    """Served but not prunable yet (q/k norms, Gemma's norms, experts): a ConfigError naming the
+    architecture, before any folder is written, not a checkpoint with dropped tensors."""
+    from kvmesh.optimize.prune import first_layers_checkpoint
+
+    src = model_factory(architecture=architecture)
+    cfg = ArchConfig.from_hf(json.loads((src / "config.json").read_text()))
+    with pytest.raises(ConfigError, match=f"{cfg.architecture} is served but not prunable"):
+        resolve_shape(cfg, drop_layers=1)
+    with pytest.raises(ConfigError, match="not prunable"):
+        prune_checkpoint(src, tmp_path / "out", PruneShape(2, cfg.num_heads, cfg.intermediate_size), [[1, 2, 3]])
+    with pytest.raises(ConfigError, match="not prunable"):
+        first_layers_checkpoint(src, tmp_path / "student", 1)
+    assert not (tmp_path / "student").exists()

@@ -327,9 +327,22 @@ class PruneResult:
     plan: PrunePlan
 
 
+# The layouts the pruning plan (and the first-layers student) knows: the dense Llama family.
+PRUNABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def require_prunable(cfg: ArchConfig) -> None:
+    """A clear refusal for layouts the plan would silently get wrong (q/k norms, experts,
+    Gemma's norms and per-layer RoPE)."""
+    if cfg.architecture not in PRUNABLE_ARCHITECTURES:
+        raise ConfigError(f"optimize: pruning and distillation handle the dense Llama layout "
+                          f"({', '.join(PRUNABLE_ARCHITECTURES)}); {cfg.architecture} is served but not prunable yet")
+
+
 def resolve_shape(cfg: ArchConfig, target_params: str | None = None, drop_layers: int | None = None,
                   heads: int | None = None, mlp_ratio: float | None = None, depth_share: float = 0.5) -> PruneShape:
     """Turn the CLI's choices into a PruneShape, with errors that name the flag to change."""
+    require_prunable(cfg)
     if target_params is not None:
         if drop_layers is not None or heads is not None or mlp_ratio is not None:
             raise ConfigError("--target-params chooses the mix itself: drop --drop-layers / --heads / --mlp-ratio")
@@ -360,6 +373,7 @@ def prune_checkpoint(src: Path, out: Path, shape: PruneShape, windows: list[list
     check_output_folder(out)
     raw = read_config(src)
     cfg = ArchConfig.from_hf(raw)
+    require_prunable(cfg)
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     stats = calibrate(model, windows, progress)
     del model
@@ -379,6 +393,7 @@ def first_layers_checkpoint(src: Path, out: Path, k: int) -> Path:
     """The teacher's first `k` decoder layers (plus embeddings, final norm, head) as a folder."""
     raw = read_config(src)
     cfg = ArchConfig.from_hf(raw)
+    require_prunable(cfg)
     if not 1 <= k <= cfg.num_layers:
         raise ConfigError(f"--student first-layers:{k}: K must be in [1, {cfg.num_layers}]")
     check_output_folder(out)
