@@ -145,3 +145,20 @@ def test_a_killed_builds_lock_is_cleared_a_live_ones_kept(tmp_path, monkeypatch)
     os.utime(lock, (old, old))
     native._clear_stale_lock("kvmesh_test_ext")
     assert not lock.exists()
+
+
+def test_gemma_offset_norm_runs_the_kernel_in_fp32_only():
+    """Gemma's (1 + w) norm: the C++ rms_norm with 1 + w as its scale in float32 (same math and
+    cast order as Gemma's reference); bf16 keeps the reference, whose order differs."""
+    from kvmesh.layers.norm import RMSNorm
+    from kvmesh.layers.op import OpContext
+
+    norm = RMSNorm(96, 1e-6, OpContext(kernels=KernelConfig()), offset=1.0)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.2)
+    assert norm.backend == ("cpu" if native.load("native") else "torch")
+    x = torch.randn(5, 96)
+    torch.testing.assert_close(norm(x), norm.forward_torch(x), rtol=1e-6, atol=1e-6)
+    h, y = norm.add_forward(x, x)
+    torch.testing.assert_close(y, norm.forward_torch(2 * x), rtol=1e-6, atol=1e-6)
+    assert norm.to(torch.bfloat16).backend == "torch"

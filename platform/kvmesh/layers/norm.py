@@ -27,8 +27,14 @@ class RMSNorm(CustomOp):
         self.bind()
 
     def select(self, ctx: OpContext) -> str:
-        # The kernels scale by w; Gemma's (1 + w) in float32 runs on the reference.
-        return "torch" if self.offset else super().select(ctx)
+        # The kernels scale by w: Gemma's (1 + w) is passed as w in float32 (the kernel's
+        # math and cast order then equal Gemma's); other dtypes run the reference.
+        if self.offset and not (ctx.dtype == torch.float32 and super().select(ctx) == "cpu"):
+            return "torch"
+        return super().select(ctx)
+
+    def _scale(self) -> torch.Tensor:
+        return self.weight + self.offset if self.offset else self.weight
 
     def bind(self) -> None:
         super().bind()
@@ -52,12 +58,12 @@ class RMSNorm(CustomOp):
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.forward_torch(x)
-        return torch.ops.kvmesh.rms_norm(x, self.weight, self.eps)
+        return torch.ops.kvmesh.rms_norm(x, self._scale(), self.eps)
 
     def add_forward_cpu(self, residual: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if residual.dim() != 2:
             return self.add_forward_torch(residual, update)
-        return torch.ops.kvmesh.add_rms_norm(residual, update, self.weight, self.eps)
+        return torch.ops.kvmesh.add_rms_norm(residual, update, self._scale(), self.eps)
 
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
