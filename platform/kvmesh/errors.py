@@ -19,7 +19,22 @@ class InvalidRequestError(KVMeshError, ValueError):
 
     def __init__(self, field: str, message: str):
         self.field = field
+        self.reason = message  # the message without the field (a BadRequest field violation's description)
         super().__init__(f"{field}: {message}")
+
+
+class NotFoundError(KVMeshError, LookupError):
+    """What the request names does not exist here (gRPC NOT_FOUND, HTTP 404): a model,
+    a cached prompt. `field` names the parameter that named it."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(message)
+
+
+class UnavailableError(KVMeshError, RuntimeError):
+    """Nothing can serve the request now, but a retry later may succeed (gRPC
+    UNAVAILABLE, HTTP 503): no worker registered yet, every worker failed."""
 
 
 class ModelNotFoundError(KVMeshError, FileNotFoundError):
@@ -65,4 +80,18 @@ class ResourceExhaustedError(KVMeshError, RuntimeError):
 
     def __init__(self, field: str, message: str):
         self.field = field
+        self.reason = message
         super().__init__(f"{field}: {message}")
+
+
+class RateLimitedError(ResourceExhaustedError):
+    """The caller's rate limit refuses the request now; `retry_after_s` says when to come
+    back (gRPC RESOURCE_EXHAUSTED with a google.rpc.RetryInfo, HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        self.retry_after_s = retry_after_s
+        super().__init__("rate_limit", message)
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return self.reason

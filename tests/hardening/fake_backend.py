@@ -1,8 +1,8 @@
 """A stand-in for the HTTP app's GrpcBackend that validates like the router does.
 
 It runs kvmesh's own gRPC-side validation (`params_from_proto`, `prompt_from_request`,
-token ids against a 384-token vocabulary, max_model_len 256) and raises the same
-`grpc.aio.AioRpcError` the router would, then streams a few tokens. The HTTP layer under
+token ids against a 384-token vocabulary, max_model_len 256) and raises the same typed
+`InvalidRequestError` the router's API would, then streams a few tokens. The HTTP layer under
 test is the real one; only the router and workers behind it are replaced, so the
 fuzzers run in milliseconds per request.
 """
@@ -11,18 +11,12 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-
 from kvmesh._proto import llm_pb2
 from kvmesh.errors import InvalidRequestError
 from kvmesh.rpc import params_from_proto, prompt_from_request
 
 VOCAB = 384
 MAX_MODEL_LEN = 256
-
-
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 class FakeBackend:
@@ -56,16 +50,13 @@ class FakeBackend:
         return self._generate(request)
 
     async def _generate(self, request: llm_pb2.GenerateRequest):
-        try:
-            params = params_from_proto(request.params)
-            prompt = prompt_from_request(request)
-            ids = [3 + ord(c) % (VOCAB - 3) for c in prompt] if isinstance(prompt, str) else prompt
-            if any(t >= VOCAB for t in ids):
-                raise InvalidRequestError("prompt_token_ids", f"every token id must be an integer in [0, {VOCAB})")
-            if len(ids) >= MAX_MODEL_LEN:
-                raise InvalidRequestError("prompt", f"has {len(ids)} tokens but max_model_len is {MAX_MODEL_LEN}")
-        except InvalidRequestError as exc:
-            raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        params = params_from_proto(request.params)
+        prompt = prompt_from_request(request)
+        ids = [3 + ord(c) % (VOCAB - 3) for c in prompt] if isinstance(prompt, str) else prompt
+        if any(t >= VOCAB for t in ids):
+            raise InvalidRequestError("prompt_token_ids", f"every token id must be an integer in [0, {VOCAB})")
+        if len(ids) >= MAX_MODEL_LEN:
+            raise InvalidRequestError("prompt", f"has {len(ids)} tokens but max_model_len is {MAX_MODEL_LEN}")
         n = min(params.max_tokens, self.tokens_per_request)
         finished = False
         try:

@@ -52,7 +52,7 @@ def test_tenants_stick_to_the_worker_holding_their_prefix(workers, tiny_llama):
                         _, _, last = await collect(call)
                         routes[t].append(dict(await call.trailing_metadata())["kvmesh-decode"])
                         cached[t].append(last.usage.cached_prompt_tokens)
-            decisions = list(router.servicer.decisions)
+            decisions = list(router.api.decisions)
         finally:
             await router.stop()
         await wait_idle(workers)

@@ -76,7 +76,7 @@ def http_front(worker, r: RouterServer, backend_kind: str, **tls):
     loop, w = worker
     port = free_port()
     if backend_kind == "inprocess":
-        backend = InProcessBackend(r.servicer, lambda: r.serving, w.aengine.tokenizer, "kvmesh")
+        backend = InProcessBackend(r.api, lambda: r.serving, w.aengine.tokenizer, "kvmesh")
         http = loop.run(start_http(create_app(lambda: backend), "127.0.0.1", port, **tls))
         try:
             yield port

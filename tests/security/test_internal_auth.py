@@ -130,7 +130,7 @@ def test_router_and_pullkv_carry_the_token(cluster):
     assert sum(len(m.token_ids) for m in msgs) == 4 and msgs[-1].finish_reason == "length"
     assert decode.servicer.counters.kv_received_blocks > before  # the KV crossed by PullKV
     assert decode.servicer.counters.kv_pull_failures == 0
-    assert router.servicer.decisions[-1].path == "pd"
+    assert router.api.decisions[-1].path == "pd"
 
 
 def test_the_token_holder_can_call_a_worker(cluster):

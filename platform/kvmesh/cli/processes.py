@@ -112,8 +112,8 @@ def router_tls(args: argparse.Namespace) -> TLSFiles | None:
 
 async def serve_router_http(router: RouterServer, tokenizer, model_id: str, host: str, port: int) -> HTTPServer:
     """The OpenAI-compatible HTTP API in this process, on the router's event loop and calling
-    its servicer in-process (served over TLS with the router's certificate when it has one)."""
-    backend = InProcessBackend(router.servicer, lambda: router.serving, tokenizer, model_id)
+    its API in-process (served over TLS with the router's certificate when it has one)."""
+    backend = InProcessBackend(router.api, lambda: router.serving, tokenizer, model_id)
     tls = router.tls
     files = {} if tls is None else {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file,
                                     "ssl_ca_certs": tls.client_ca_file}

@@ -10,6 +10,7 @@ import grpc
 
 from kvmesh._proto import llm_pb2_grpc
 from kvmesh.checkpoint.files import load_tokenizer, resolve_model_path
+from kvmesh.router.api import RouterAPI
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.ratelimit import RateLimiter
 from kvmesh.router.registry import WorkerPool, WorkerRegistry
@@ -61,7 +62,9 @@ class RouterServer:
         self.loopback_address: str | None = f"{local_host}:{self.port}"
         if tls is not None:
             self.loopback_address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}" if loopback else None
-        self.servicer = LLMServicer(self.pool, config, tokenizer, model_id, keys, RateLimiter(config.rate_limit))
+        # The typed API both front ends call: this gRPC service and the in-process HTTP layer.
+        self.api = RouterAPI(self.pool, config, tokenizer, model_id, keys, RateLimiter(config.rate_limit))
+        self.servicer = LLMServicer(self.api)
         llm_pb2_grpc.add_LLMServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
         self.serving = False  # what gRPC health says (the in-process HTTP backend reads it)
@@ -102,7 +105,7 @@ class RouterServer:
             self.metrics_server.server_close()
         await self.server.stop(grace)
         await self.pool.close()
-        await self.servicer.limiter.close()
+        await self.api.limiter.close()
 
 
 def load_router_tokenizer(model: str | None):

@@ -15,7 +15,7 @@ from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 RETRY_AFTER_KEY = "retry-after"
-_DETAILS_KEY = "grpc-status-details-bin"
+DETAILS_KEY = "grpc-status-details-bin"
 
 
 def retry_after_metadata(seconds: float, message: str = "rate limit exceeded") -> tuple[tuple[str, object], ...]:
@@ -24,7 +24,7 @@ def retry_after_metadata(seconds: float, message: str = "rate limit exceeded") -
     info = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=whole))
     status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message)
     status.details.add().Pack(info)
-    return ((RETRY_AFTER_KEY, str(whole)), (_DETAILS_KEY, status.SerializeToString()))
+    return ((RETRY_AFTER_KEY, str(whole)), (DETAILS_KEY, status.SerializeToString()))
 
 
 def retry_after_of(exc: grpc.aio.AioRpcError) -> int | None:

@@ -201,8 +201,8 @@ class RouterDeployment:
         _STATE["router"] = self.router
         self._http = None
         if cfg.http_ingress == "router":
-            # HTTP on the router's loop, calling its servicer in-process (no loopback gRPC).
-            _STATE["backend"] = InProcessBackend(self.router.servicer, lambda: self.router.serving, tokenizer,
+            # HTTP on the router's loop, calling its API in-process (no loopback gRPC).
+            _STATE["backend"] = InProcessBackend(self.router.api, lambda: self.router.serving, tokenizer,
                                                  cfg.model_id)
             sec = cfg.security
             self._http = self._loop.run(start_http(_api, cfg.host, cfg.http_port, ssl_certfile=sec.tls_cert_file,

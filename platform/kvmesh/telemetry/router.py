@@ -12,8 +12,6 @@ import functools
 import time
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from kvmesh.telemetry import metrics as m
 from kvmesh.telemetry import tracing
 from kvmesh.telemetry.workers import worker_label
@@ -41,11 +39,11 @@ class RequestTelemetry:
     span), None when tracing is off. Call `routed(decision)` once the route is
     decided, `on_message(...)` per message streamed to the client."""
 
-    def __init__(self, model: str, request_id: str, context: grpc.aio.ServicerContext | None):
+    def __init__(self, model: str, request_id: str, metadata: tuple[tuple[str, str], ...] = ()):
         self.model = model
         self.request_id = request_id
-        self.context = context
-        self.decision = None  # kvmesh.router.service.RouteDecision
+        self.caller_metadata = metadata  # the caller's trace context, if it sent one
+        self.decision = None  # kvmesh.router.api.RouteDecision
         self.prompt_tokens = self.cached_prompt_tokens = 0
         self.num_tokens = 0
         self.finish_reason = ""
@@ -62,7 +60,7 @@ class RequestTelemetry:
     def __enter__(self) -> "RequestTelemetry":
         self._start = time.perf_counter()
         _child(m.REQUESTS_WAITING, self.model).inc()
-        self._span_cm = tracing.server_span("kvmesh.router.generate", self.context,
+        self._span_cm = tracing.server_span("kvmesh.router.generate", self.caller_metadata,
                                             {"kvmesh.request_id": self.request_id})
         self.span = self._span_cm.__enter__()
         self.metadata = tracing.grpc_metadata(self.span)

@@ -110,9 +110,10 @@ def enabled() -> bool:
 
 
 @contextmanager
-def server_span(name: str, context: grpc.aio.ServicerContext | None,
+def server_span(name: str, context,
                 attributes: Mapping[str, AttrValue] | None = None) -> Iterator[Span | None]:
-    """A SERVER span for one RPC, child of the caller's context in the gRPC metadata.
+    """A SERVER span for one call, child of the caller's trace context in its metadata:
+    `context` is a gRPC servicer context, the call's (key, value) metadata pairs, or None.
     Yields None when tracing is off."""
     t = tracer()
     if t is None:
@@ -120,7 +121,7 @@ def server_span(name: str, context: grpc.aio.ServicerContext | None,
         return
     parent = propagate.extract(_metadata_dict(context)) if context is not None else None
     span = t.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
-    with _ending(span, context):
+    with _ending(span, context if hasattr(context, "invocation_metadata") else None):
         yield span
 
 
@@ -216,5 +217,8 @@ def grpc_metadata(span: Span | None) -> tuple[tuple[str, str], ...] | None:
     return tuple(carrier.items())
 
 
-def _metadata_dict(context: grpc.aio.ServicerContext) -> dict[str, Any]:
-    return {m.key: m.value for m in context.invocation_metadata() or ()}
+def _metadata_dict(context) -> dict[str, Any]:
+    """The call's metadata as a dict: from a gRPC servicer context, or given as (key, value) pairs."""
+    if hasattr(context, "invocation_metadata"):
+        return {m.key: m.value for m in context.invocation_metadata() or ()}
+    return dict(context)

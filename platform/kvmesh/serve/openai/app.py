@@ -23,13 +23,13 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
-import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvmesh.errors import KVMeshError
 from kvmesh.rpc.auth import ApiKeys
 from kvmesh.serve.openai import chat, completions
 from kvmesh.serve.openai.backend import CLIENT_AUTHORIZATION, Backend
@@ -132,8 +132,8 @@ async def models(request: Request):
     b = BackendSource.of(request).require()
     try:
         resp = await b.list_models()
-    except grpc.aio.AioRpcError as e:
-        raise APIError.from_grpc(e) from None
+    except KVMeshError as e:
+        raise APIError.of(e) from None
     now = int(time.time())
     return {"object": "list", "data": [
         {"id": m.id, "object": "model", "created": now, "owned_by": "kvmesh", "max_model_len": m.max_model_len}

@@ -4,13 +4,15 @@ therefore gets exactly the routing, P/D and retries of the gRPC path. A backend 
 API key the router checks, and opens a `kvmesh.http.generate` span whose context the
 router continues, so one trace runs from HTTP to the workers when tracing is on.
 
-Two ways to reach the router, one interface (`Backend`):
-- `InProcessBackend` awaits the router's servicer directly on the router's event loop
-  (kvmesh.rpc.inprocess): the HTTP server of `kvmesh serve` and `kvmesh router`, which
-  runs on that loop. No loopback socket, no (de)serialisation per streamed message.
+Two ways to reach the router, one interface (`Backend`), one error contract: a call
+fails with a typed `KVMeshError` (the field as data), whichever way it went.
+- `InProcessBackend` awaits the router's Python API (router/api.py `RouterAPI`) on the
+  router's event loop: the HTTP server of `kvmesh serve` and `kvmesh router`, which runs
+  on that loop. No loopback socket, no (de)serialisation per streamed message.
 - `GrpcBackend` holds a loopback gRPC channel to the router (created lazily, on the event
   loop that serves HTTP): for an HTTP server on another loop, such as Ray Serve's proxy
-  (http_ingress 'ray_proxy').
+  (http_ingress 'ray_proxy'). A failed call's status and google.rpc details become the
+  same typed error (rpc/status.py `error_of_rpc`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
+from kvmesh.errors import KVMeshError
+from kvmesh.router.api import Call
 from kvmesh.rpc import CHANNEL_OPTIONS
 from kvmesh.rpc.auth import ApiKeys, bearer_metadata
-from kvmesh.rpc.inprocess import InProcessContext, unary_stream, unary_unary
+from kvmesh.rpc.status import error_of_rpc
 from kvmesh.serve.openai.protocol import APIError, ChatMessage
 from kvmesh.telemetry import tracing
 
@@ -66,7 +70,7 @@ class Backend:
     def generate(self, request: llm_pb2.GenerateRequest) -> AsyncIterator[llm_pb2.GenerateResponse]:
         """Stream from the router, in a `kvmesh.http.generate` span whose context the
         router continues (one trace from HTTP to the workers, when tracing is on). Errors
-        arrive as `grpc.aio.AioRpcError`, whichever way the router is reached."""
+        arrive as typed `KVMeshError`s, whichever way the router is reached."""
         return self._generate(request)
 
     async def _generate(self, request: llm_pb2.GenerateRequest) -> AsyncIterator[llm_pb2.GenerateResponse]:
@@ -81,6 +85,10 @@ class Backend:
     async def list_models(self) -> llm_pb2.ListModelsResponse:
         raise NotImplementedError
 
+    async def tokenize(self, text: str) -> list[int]:
+        """The router's tokenization of `text` (its tokenizer, its prompt-size limit)."""
+        raise NotImplementedError
+
     async def healthy(self) -> bool:
         """SERVING only while at least one worker is healthy (the router's gRPC health)."""
         raise NotImplementedError
@@ -90,7 +98,7 @@ class Backend:
         if not self._max_model_len:
             try:
                 models = (await self.list_models()).models
-            except grpc.aio.AioRpcError:
+            except KVMeshError:
                 return 0
             self._max_model_len = min((m.max_model_len for m in models), default=0)
         return self._max_model_len
@@ -100,20 +108,22 @@ class Backend:
 
 
 class InProcessBackend(Backend):
-    """The router's servicer, awaited on the router's own event loop (kvmesh.rpc.inprocess):
-    the HTTP server must run on that loop. `serving()` is the router's health."""
+    """The router's Python API (`RouterAPI`), awaited on the router's own event loop: the
+    HTTP server must run on that loop. `serving()` is the router's health."""
 
-    def __init__(self, servicer, serving: Callable[[], bool], tokenizer, model_id: str, timeout_s: float = 600.0):
+    def __init__(self, api, serving: Callable[[], bool], tokenizer, model_id: str, timeout_s: float = 600.0):
         super().__init__(tokenizer, model_id, timeout_s)
-        self.servicer = servicer
+        self.api = api
         self.serving = serving
 
     def _stream(self, request, metadata):
-        return unary_stream(self.servicer.Generate, request, InProcessContext(metadata, self.timeout_s))
+        return self.api.generate(request, Call(metadata, self.timeout_s))
 
     async def list_models(self) -> llm_pb2.ListModelsResponse:
-        return await unary_unary(self.servicer.ListModels, llm_pb2.ListModelsRequest(),
-                                 InProcessContext(self.metadata, 10))
+        return self.api.list_models()
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await self.api.tokenize(text)
 
     async def healthy(self) -> bool:
         return self.serving()
@@ -136,10 +146,24 @@ class GrpcBackend(Backend):
         return self._stub
 
     async def list_models(self) -> llm_pb2.ListModelsResponse:
-        return await self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=10, metadata=self.metadata)
+        try:
+            return await self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=10, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of_rpc(exc) from None
 
-    def _stream(self, request, metadata):
-        return self.stub.Generate(request, timeout=self.timeout_s, metadata=metadata or None)
+    async def tokenize(self, text: str) -> list[int]:
+        try:
+            resp = await self.stub.Tokenize(llm_pb2.TokenizeRequest(text=text), timeout=30, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of_rpc(exc) from None
+        return list(resp.token_ids)
+
+    async def _stream(self, request, metadata):
+        try:
+            async for msg in self.stub.Generate(request, timeout=self.timeout_s, metadata=metadata or None):
+                yield msg
+        except grpc.aio.AioRpcError as exc:
+            raise error_of_rpc(exc) from None
 
     async def healthy(self) -> bool:
         self.stub  # noqa: B018 - creates the channel on this loop

@@ -20,7 +20,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 from fastapi import Request
 
 from kvmesh._proto import llm_pb2
@@ -28,7 +27,6 @@ from kvmesh.compress import OPEN, CompressionOptions, compress_prompt
 from kvmesh.errors import InvalidRequestError
 from kvmesh.serve.openai.backend import Backend
 from kvmesh.serve.openai.generation import (
-    SSE_DONE,
     BackendSource,
     build_request,
     check_model,
@@ -88,17 +86,13 @@ async def _events(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest, h
     yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]})
     last = None
-    try:
-        async for msg in b.generate(req):
-            last = msg
-            delta = {"content": msg.text} if msg.text else {}
-            yield sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": _logprobs(b, body, [msg]),
-                                            "finish_reason": msg.finish_reason or None}]})
-        if body.include_usage_in_stream() and last is not None:
-            yield sse({**head, "choices": [], "usage": usage(last.usage, original_tokens)})
-    except grpc.aio.AioRpcError as e:
-        yield sse(APIError.from_grpc(e).body())
-    yield SSE_DONE
+    async for msg in b.generate(req):
+        last = msg
+        delta = {"content": msg.text} if msg.text else {}
+        yield sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": _logprobs(b, body, [msg]),
+                                        "finish_reason": msg.finish_reason or None}]})
+    if body.include_usage_in_stream() and last is not None:
+        yield sse({**head, "choices": [], "usage": usage(last.usage, original_tokens)})
 
 
 def _logprobs(b: Backend, body: ChatRequest, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, Any] | None:

@@ -18,13 +18,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 from fastapi import Request
 
 from kvmesh._proto import llm_pb2
 from kvmesh.serve.openai.backend import Backend
 from kvmesh.serve.openai.generation import (
-    SSE_DONE,
     BackendSource,
     build_request,
     check_model,
@@ -81,17 +79,13 @@ async def _complete(b: Backend, body: CompletionRequest, reqs: list[llm_pb2.Gene
 async def _events(b: Backend, body: CompletionRequest, reqs: list[llm_pb2.GenerateRequest],
                   head: dict[str, Any]) -> AsyncIterator[str]:
     usages = []
-    try:
-        async for i, msg in merge_streams([b.generate(r) for r in reqs]):
-            yield sse({**head, "choices": [{"index": i, "text": msg.text, "logprobs": _logprobs(b, body, [msg]),
-                                            "finish_reason": msg.finish_reason or None}]})
-            if msg.finish_reason:
-                usages.append(usage(msg.usage))
-        if body.include_usage_in_stream():
-            yield sse({**head, "choices": [], "usage": sum_usage(usages)})
-    except grpc.aio.AioRpcError as e:
-        yield sse(APIError.from_grpc(e).body())
-    yield SSE_DONE
+    async for i, msg in merge_streams([b.generate(r) for r in reqs]):
+        yield sse({**head, "choices": [{"index": i, "text": msg.text, "logprobs": _logprobs(b, body, [msg]),
+                                        "finish_reason": msg.finish_reason or None}]})
+        if msg.finish_reason:
+            usages.append(usage(msg.usage))
+    if body.include_usage_in_stream():
+        yield sse({**head, "choices": [], "usage": sum_usage(usages)})
 
 
 def _logprobs(b: Backend, body: CompletionRequest, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, Any] | None:

@@ -4,8 +4,10 @@
 backend after the app object is built, so the getter is called per request). The
 helpers below turn a body into `GenerateRequest`s (model check, kvmesh's `compression`
 extension), collect or merge the router's response streams, and render OpenAI usage and
-server-sent events. `stream_response` starts a stream but turns an error before the
-first token into a plain HTTP error, so a bad request never looks like a 200 stream.
+server-sent events. The backend fails with typed kvmesh errors; `APIError.of` renders
+them. `stream_response` starts a stream but turns an error before the first token into
+a plain HTTP error, so a bad request never looks like a 200 stream; an error after it
+becomes an error event, and every stream ends with `[DONE]`.
 """
 
 from __future__ import annotations
@@ -15,15 +17,14 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmesh._proto import llm_pb2
 from kvmesh.compress import CompressionOptions, options_from_openai, options_to_proto
-from kvmesh.errors import InvalidRequestError
+from kvmesh.errors import InvalidRequestError, KVMeshError
 from kvmesh.serve.openai.backend import Backend
-from kvmesh.serve.openai.protocol import HTTP_OF_GRPC, APIError, SamplingFields
+from kvmesh.serve.openai.protocol import APIError, SamplingFields
 
 
 class BackendSource:
@@ -79,8 +80,8 @@ async def collect(b: Backend, req: llm_pb2.GenerateRequest) -> tuple[str, list[l
     try:
         async for msg in b.generate(req):
             msgs.append(msg)
-    except grpc.aio.AioRpcError as e:
-        raise APIError.from_grpc(e) from None
+    except KVMeshError as e:
+        raise APIError.of(e) from None
     return "".join(m.text for m in msgs), msgs
 
 
@@ -112,17 +113,15 @@ def sse(obj: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
-# HTTP status of an error event's `code` (APIError.from_grpc names codes after gRPC's).
-_STATUS_OF_CODE = {code.name.lower(): status for code, (status, _) in HTTP_OF_GRPC.items()}
-_STATUS_OF_CODE.update(rate_limit_exceeded=429, unavailable=503)
 
 
 async def stream_response(events: AsyncIterator[str], preamble: int = 0) -> Response:
-    """Start the stream, but turn an error before the first token into a plain HTTP
-    error (a bad request must not look like a 200 stream). `preamble`: events that come
-    before the first token (chat's role chunk); the response starts with the event after
-    them, so the first token is never held back for the second (that cost completions
-    one decode step of TTFT)."""
+    """Start the stream of `events` (server-sent events; an error raises), but turn an
+    error before the first token into a plain HTTP error (a bad request must not look
+    like a 200 stream). `preamble`: events that come before the first token (chat's role
+    chunk); the response starts with the event after them, so the first token is never
+    held back for the second (that cost completions one decode step of TTFT). A later
+    error becomes an OpenAI error event; the stream always ends with `[DONE]`."""
     first: list[str] = []
     it = events.__aiter__()
     try:
@@ -130,16 +129,20 @@ async def stream_response(events: AsyncIterator[str], preamble: int = 0) -> Resp
             first.append(await it.__anext__())
     except StopAsyncIteration:
         pass
-    for chunk in first:
-        if chunk.startswith('data: {"error"'):
-            err = json.loads(chunk[len("data: "):])["error"]
-            return JSONResponse({"error": err}, status_code=_STATUS_OF_CODE.get(err.get("code"), 500))
+    except Exception as e:
+        await it.aclose()
+        err = APIError.of(e)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
 
     async def body() -> AsyncIterator[str]:
         for chunk in first:
             yield chunk
-        async for chunk in it:
-            yield chunk
+        try:
+            async for chunk in it:
+                yield chunk
+        except Exception as e:
+            yield sse(APIError.of(e).body())
+        yield SSE_DONE
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

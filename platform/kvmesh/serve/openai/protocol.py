@@ -3,9 +3,9 @@
 Request models ignore unknown fields (as vLLM does) and reject known but unsupported
 ones with a non-default value (n > 1, echo, tools, ...) with a 400 that says what to
 change. `APIError` is the OpenAI error `{"error": {"message", "type", "param", "code"}}`
-with its HTTP status; `APIError.from_grpc` maps the router's gRPC status onto it
-(INVALID_ARGUMENT -> 400, UNAVAILABLE -> 503, ...), naming the offending field when
-kvmesh's message starts with it; `code` is always a string.
+with its HTTP status; `APIError.of` maps the router's typed errors onto it
+(InvalidRequestError -> 400 with `param` the field it names, UnavailableError -> 503,
+RateLimitedError -> 429 with Retry-After, ...); `code` is always a string.
 
 Bodies are checked so that nothing invalid reaches the gRPC layer (where it would be a
 500): integers within the protobuf types' ranges, finite floats (`NaN` / `Infinity`
@@ -15,15 +15,15 @@ text-only chat content parts whose `text` is a string.
 
 from __future__ import annotations
 
-import re
+import math
 from typing import Annotated, Any, Literal
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvmesh._proto import llm_pb2
-from kvmesh.errors import KVMeshError
-from kvmesh.rpc.retry_info import retry_after_of
+from kvmesh.errors import KVMeshError, RateLimitedError
+from kvmesh.rpc.status import error_of_rpc, status_of
 
 HTTP_OF_GRPC = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -52,17 +52,21 @@ class APIError(KVMeshError):
                           "code": self.code or _CODE_OF_STATUS.get(self.status, self.type)}}
 
     @classmethod
-    def from_grpc(cls, exc: grpc.aio.AioRpcError) -> APIError:
-        status, type_ = HTTP_OF_GRPC.get(exc.code(), (500, "internal_error"))
-        message = exc.details() or exc.code().name
-        # kvmesh's INVALID_ARGUMENT messages start with the field: "max_tokens: must be ..."
-        m = re.match(r"([A-Za-z_][\w.]*): ", message) if status == 400 else None
-        retry_after = retry_after_of(exc) if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-        if retry_after is not None:  # the router's per-API-key rate limit (router/ratelimit.py)
-            err = cls(429, message, "rate_limit_exceeded", code="rate_limit_exceeded")
-            err.headers["Retry-After"] = str(retry_after)
+    def of(cls, exc: BaseException) -> APIError:
+        """The OpenAI error of a typed kvmesh error from the router (the field it names
+        becomes `param`), of a failed gRPC call (decoded to its typed error first), or of
+        anything else (a 500)."""
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, grpc.aio.AioRpcError):
+            exc = error_of_rpc(exc)
+        if isinstance(exc, RateLimitedError):  # the router's per-API-key rate limit (router/ratelimit.py)
+            err = cls(429, str(exc), "rate_limit_exceeded", code="rate_limit_exceeded")
+            err.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
             return err
-        return cls(status, message, type_, param=m.group(1) if m else None, code=exc.code().name.lower())
+        code, message = status_of(exc)
+        status, type_ = HTTP_OF_GRPC.get(code, (500, "internal_error"))
+        return cls(status, message, type_, param=getattr(exc, "field", None), code=code.name.lower())
 
 
 _CODE_OF_STATUS = {400: "invalid_request", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found",
