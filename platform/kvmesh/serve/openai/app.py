@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import re
 import socket
 import ssl
 import threading
@@ -73,9 +72,6 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     first = exc.errors()[0] if exc.errors() else {}
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
     detail = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    if not loc and (m := re.match(r"([A-Za-z_][\w.\[\]]*): ", detail)):  # our validators name the field
-        loc = m.group(1)
-        detail = detail[m.end():]
     msg = f"{loc}: {detail}" if loc else detail
     return JSONResponse(APIError(400, msg, param=loc or None).body(), status_code=400)
 

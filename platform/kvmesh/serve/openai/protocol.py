@@ -138,7 +138,10 @@ class SamplingFields(BaseModel):
     def _valid_unicode(cls, data: Any) -> Any:
         at = _lone_surrogate_at(data)
         if at is not None:
-            raise ValueError(f"{at}: holds a lone UTF-16 surrogate (e.g. \\ud800); send valid Unicode text")
+            # An APIError, not a ValueError: pydantic lets it through, so the field travels as data
+            # (a ValueError from a whole-body validator would lose its location).
+            raise APIError(400, f"{at}: holds a lone UTF-16 surrogate (e.g. \\ud800); send valid Unicode text",
+                           param=at)
         return data
 
     def check_unsupported(self) -> None:
