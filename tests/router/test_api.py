@@ -162,3 +162,22 @@ def test_http_names_the_field_from_the_worker_either_way(stack, kind):
         assert err["param"] == "prompt_token_ids" and "token id" in err["message"]
         stream = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=30)
         assert stream.status_code == 400 and stream.json()["error"]["param"] == "prompt_token_ids"
+
+
+@pytest.mark.parametrize("kind", ["inprocess", "grpc"])
+def test_tokenize_and_detokenize_round_trip(stack, kind):
+    """/tokenize encodes as generation does (prompt text; chat messages under the
+    template), /detokenize inverts it; bad input is a 400 naming the field."""
+    _, w, _ = stack
+    tok = w.aengine.tokenizer
+    with _http(stack, kind) as url:
+        got = httpx.post(f"{url}/tokenize", json={"prompt": "hello world"}, timeout=30).json()
+        assert got["tokens"] == tok.encode("hello world", add_special_tokens=True)
+        assert got["count"] == len(got["tokens"]) and got["max_model_len"] == 128
+        back = httpx.post(f"{url}/detokenize", json={"tokens": got["tokens"]}, timeout=30).json()
+        assert back["prompt"] == tok.decode(got["tokens"])
+        both = httpx.post(f"{url}/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+                          timeout=30)
+        assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+        over = httpx.post(f"{url}/detokenize", json={"tokens": [len(tok) + 5]}, timeout=30)
+        assert over.status_code == 400 and over.json()["error"]["param"] == "tokens"

@@ -48,12 +48,12 @@ class Backend:
         self._max_model_len = 0
         self.metadata = bearer_metadata(ApiKeys.from_env().service_key)  # the router checks the same keys
 
-    def chat_prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the chat under the template (blocking: call it off the event loop)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         conv = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in messages]
-        ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
