@@ -37,3 +37,11 @@ class ChatConfig(BaseModel):
         if v is not None and v not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser: unknown {v!r}; choose one of {sorted(REASONING_PARSERS)}")
         return v
+
+    def cli_flags(self) -> list[str]:
+        """These options as `kvmesh router` flags (`kvmesh serve --local` starts one)."""
+        out = ["--tool-call-parser", self.tool_call_parser,
+               "--enable-auto-tool-choice" if self.enable_auto_tool_choice else "--no-enable-auto-tool-choice"]
+        if self.reasoning_parser:
+            out += ["--reasoning-parser", self.reasoning_parser]
+        return out

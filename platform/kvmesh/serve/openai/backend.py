@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
+from kvmesh.chat import ToolSet, takes_tools, template_messages, template_source
 from kvmesh.rpc import CHANNEL_OPTIONS
 from kvmesh.rpc.auth import ApiKeys, bearer_metadata
 from kvmesh.rpc.inprocess import InProcessContext, unary_stream, unary_unary
@@ -44,12 +45,14 @@ class Backend:
         self._max_model_len = 0
         self.metadata = bearer_metadata(ApiKeys.from_env().service_key)  # the router checks the same keys
 
-    def chat_prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
-        """Token ids of the chat under the template (blocking: call it off the event loop)."""
-        if not getattr(self.tokenizer, "chat_template", None):
+    def chat_prompt_ids(self, messages: list[ChatMessage], tools: ToolSet | None = None) -> list[int]:
+        """Token ids of the chat under the template (blocking: call it off the event loop).
+        `tools` go to a template that reads them, else into a system prompt (kvmesh.chat.tools)."""
+        source = template_source(self.tokenizer)
+        if not source:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        conv = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in messages]
-        ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        conv, extra = template_messages([m.template_dict() for m in messages], tools, takes_tools(source))
+        ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, **extra)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
