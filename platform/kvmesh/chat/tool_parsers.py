@@ -15,8 +15,10 @@ own JSON text of the arguments object (exactly what the fragments add up to), no
 re-serialisation. At the end of the text (`final=True`) a call cut short (max_tokens) whose
 name is known stays a call with its truncated arguments, as OpenAI reports one; text that
 cannot be a call (bad JSON, unknown keys, no name) stays content: never an error.
-The one case the stream cannot undo: a call whose arguments were already streaming and
-then turn invalid; that call's deltas stay as sent (the whole-text path makes it content).
+A call is announced only once its arguments object has begun, so the one case the
+stream cannot undo is a call whose arguments were already streaming and then turn
+invalid (or gain a stray key after them): that call's deltas stay as sent, while the
+whole-text path makes it content.
 """
 
 from __future__ import annotations
@@ -127,6 +129,8 @@ def decode_call(s: str, scan: ObjectScan) -> PartialCall:
         arguments = "{}"  # {"name": "now"}: a call without parameters
     if scan.end is not None and name is None:
         raise Invalid("a call without a name")
+    if scan.end is None and not arguments:
+        name = None  # not announced before its arguments begin: what follows the name may still be wrong
     return PartialCall(name, arguments)
 
 
@@ -252,8 +256,8 @@ class ToolCallStream:
 
 class HermesParser(ToolParser):
     """Hermes / Qwen 2.5 / Qwen 3: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
-    several in a row, with content around them. A closing tag missing at the very end
-    (the model stopped right after the object) is accepted."""
+    several in a row, with content around them. A missing closing tag is forgiven (the
+    model stopped, or went on writing, right after the object)."""
 
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -280,7 +284,7 @@ class HermesParser(ToolParser):
             return Calls(k + len(self.CLOSE), [call])
         if self.CLOSE.startswith(s[k:]):  # the closing tag may follow (or was cut off)
             return Calls(len(s), [call]) if final else Pending([call])
-        return not_a_call
+        return Calls(end, [call])  # no closing tag: the call stands, what follows is content
 
 
 class Llama3JsonParser(ToolParser):
@@ -376,7 +380,7 @@ class MistralParser(ToolParser):
         call = PartialCall(m.group(0))
         a = skip_ws(s, k + len(self.ARGS))
         if a >= len(s):
-            return Calls(len(s), [call]) if final else Pending([call])
+            return Calls(len(s), [call]) if final else Pending([])  # announced once its arguments begin
         if s[a] != "{":
             return not_a_call
         try:
