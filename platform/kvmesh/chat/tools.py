@@ -40,9 +40,10 @@ class Tool:
     parameters: dict[str, Any] = field(default_factory=lambda: dict(EMPTY_PARAMETERS))
 
     def to_openai(self) -> dict[str, Any]:
-        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        fn: dict[str, Any] = {"name": self.name}
         if self.description:
             fn["description"] = self.description
+        fn["parameters"] = self.parameters
         return {"type": "function", "function": fn}
 
 
