@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 
 import grpc
+import jinja2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
@@ -52,7 +53,10 @@ class Backend:
         if not source:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         conv, extra = template_messages([m.template_dict() for m in messages], tools, takes_tools(source))
-        ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, **extra)
+        try:
+            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, **extra)
+        except jinja2.TemplateError as e:  # e.g. a template's raise_exception on roles it does not take
+            raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

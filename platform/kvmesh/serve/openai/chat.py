@@ -62,14 +62,13 @@ async def chat_completions(body: ChatRequest, request: Request):
     check_prompt_chars(limits_of(request), sum(len(m.text()) for m in body.messages), "messages")
     cfg: ChatConfig = request.app.state.kvmesh_chat
     tools = _tool_set(body, cfg)
-    template_kw = {"tools": tools} if tools is not None else {}  # a backend without tools support still serves chat
-    ids = await asyncio.to_thread(b.chat_prompt_ids, body.messages, **template_kw)
+    ids = await asyncio.to_thread(b.chat_prompt_ids, body.messages, tools)
     original_tokens = None
     comp = compression_options(body)
     if comp is not None:
         original_tokens = len(ids)
         messages = await compress_messages(body.messages, comp, b.tokenizer)
-        ids = await asyncio.to_thread(b.chat_prompt_ids, messages, **template_kw)
+        ids = await asyncio.to_thread(b.chat_prompt_ids, messages, tools)
     n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.to_proto(n_logprobs, default_max_tokens=None)
     if body.max_tokens is None:
