@@ -111,6 +111,8 @@ async def _events(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest, h
                 delta = merge_deltas([delta, out.finish()])
             yield sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": _logprobs(b, body, [msg]),
                                             "finish_reason": out.finish_reason(msg.finish_reason or None)}]})
+        if not out.finished and (rest := out.finish()):  # a stream that ended without a finish reason
+            yield sse({**head, "choices": [{"index": 0, "delta": rest, "logprobs": None, "finish_reason": None}]})
         if body.include_usage_in_stream() and last is not None:
             yield sse({**head, "choices": [], "usage": usage(last.usage, original_tokens)})
     except grpc.aio.AioRpcError as e:
