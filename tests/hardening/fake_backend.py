@@ -29,9 +29,20 @@ class FakeBackend:
         self.requests: list[llm_pb2.GenerateRequest] = []
         self.cancelled = 0  # streams closed before their last token
 
-    def chat_prompt_ids(self, messages) -> list[int]:
+    def chat_prompt_ids(self, messages, tools=None, add_generation_prompt: bool = True) -> list[int]:
         text = "".join(m.text() for m in messages)
         return [3 + ord(c) % (VOCAB - 3) for c in text[:64]] or [3]
+
+    vocab_size = VOCAB
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [3 + ord(c) % (VOCAB - 3) for c in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(97 + t % 26) for t in token_ids)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        return [self.token_str(t) for t in token_ids]
 
     def token_str(self, token_id: int) -> str:
         return f"<{token_id}>"

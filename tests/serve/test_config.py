@@ -96,3 +96,24 @@ def test_cli_flags_override_the_file(tmp_path):
     assert cfg.engine.cache.block_size == 8 and cfg.engine.scheduler.max_num_seqs == 7
     assert cfg.kv_store.redis_url == "redis://r:6379/0" and cfg.grpc_port == 6000
     assert ServingConfig.model_validate(yaml.safe_load(cfg.to_yaml())) == cfg
+
+
+def test_chat_flags_reach_the_config_and_the_router(tmp_path):
+    from kvmesh.serve.local import router_args
+
+    f = tmp_path / "serving.yaml"
+    f.write_text(yaml.safe_dump({"chat": {"reasoning_parser": "qwen3"}}))
+    args = build_parser().parse_args(["serve", "--config", str(f), "--tool-call-parser", "mistral",
+                                      "--no-enable-auto-tool-choice"])
+    cfg = serving_config_from_args(args)
+    assert (cfg.chat.tool_call_parser, cfg.chat.enable_auto_tool_choice, cfg.chat.reasoning_parser) == (
+        "mistral", False, "qwen3")
+    assert ServingConfig().chat.tool_call_parser == "auto" and ServingConfig().chat.enable_auto_tool_choice
+    child = router_args(cfg, ["127.0.0.1:1"], http=True)
+    router = build_parser().parse_args(child[2:])  # what `kvmesh serve --local` starts: `kvmesh router ...`
+    assert (router.chat__tool_call_parser, router.chat__enable_auto_tool_choice, router.chat__reasoning_parser) == (
+        "mistral", False, "qwen3")
+    with pytest.raises(ValidationError, match="tool_call_parser: unknown 'xml'"):
+        ServingConfig.model_validate({"chat": {"tool_call_parser": "xml"}})
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reasoning-parser", "o1"])

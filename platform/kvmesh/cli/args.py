@@ -18,6 +18,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from kvmesh.chat.config import ChatConfig
+from kvmesh.chat.reasoning import REASONING_PARSERS
+from kvmesh.chat.tool_parsers import TOOL_PARSERS
 from kvmesh.config import EngineConfig, SpeculativeConfig
 
 # Sections whose fields are flattened without a prefix (their names are unique).
@@ -135,3 +138,22 @@ def engine_config(args: argparse.Namespace, base: EngineConfig | None = None) ->
             raise ValueError("speculative: set --speculative METHOD (ngram or draft) to use speculative decoding")
         overrides[_SPEC] = SpeculativeConfig(**merged)
     return base.with_overrides(**overrides)
+
+
+def add_chat_args(parser: argparse.ArgumentParser) -> None:
+    """The chat flags (ChatConfig; vLLM's names), unset unless given."""
+    group = parser.add_argument_group("chat", "how the OpenAI chat API reads the model's replies (kvmesh.chat)")
+    fields = ChatConfig.model_fields
+    group.add_argument("--tool-call-parser", dest="chat__tool_call_parser", choices=["auto", *sorted(TOOL_PARSERS)],
+                       default=argparse.SUPPRESS, help=f"{fields['tool_call_parser'].description} (default: auto)")
+    group.add_argument("--enable-auto-tool-choice", dest="chat__enable_auto_tool_choice",
+                       action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                       help=f"{fields['enable_auto_tool_choice'].description} (default: on)")
+    group.add_argument("--reasoning-parser", dest="chat__reasoning_parser", choices=sorted(REASONING_PARSERS),
+                       default=argparse.SUPPRESS, help=f"{fields['reasoning_parser'].description} (default: none)")
+
+
+def chat_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The chat flags the user gave, as ChatConfig fields."""
+    return {k.removeprefix("chat__"): v for k, v in vars(args).items() if k.startswith("chat__")}
+

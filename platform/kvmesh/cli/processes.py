@@ -13,8 +13,9 @@ import json
 import logging
 
 from kvmesh.build import build_worker
+from kvmesh.chat.config import ChatConfig
 from kvmesh.checkpoint.files import load_tokenizer, resolve_model_path
-from kvmesh.cli.args import add_engine_args, engine_config
+from kvmesh.cli.args import add_chat_args, add_engine_args, chat_overrides, engine_config
 from kvmesh.config import EngineConfig, TracingConfig
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.registry import StaticRegistry
@@ -97,6 +98,7 @@ def add_router_parser(sub) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default=None,
                    help="PEM CA: require client certificates it signed (mutual TLS on the public endpoints)")
+    add_chat_args(p)
     p.set_defaults(func=cmd_router)
 
 
@@ -110,14 +112,15 @@ def router_tls(args: argparse.Namespace) -> TLSFiles | None:
     return TLSFiles(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca)
 
 
-async def serve_router_http(router: RouterServer, tokenizer, model_id: str, host: str, port: int) -> HTTPServer:
+async def serve_router_http(router: RouterServer, tokenizer, model_id: str, host: str, port: int,
+                            chat: ChatConfig | None = None) -> HTTPServer:
     """The OpenAI-compatible HTTP API in this process, on the router's event loop and calling
     its API in-process (served over TLS with the router's certificate when it has one)."""
     backend = InProcessBackend(router.api, lambda: router.serving, tokenizer, model_id)
     tls = router.tls
     files = {} if tls is None else {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file,
                                     "ssl_ca_certs": tls.client_ca_file}
-    return await start_http(create_app(lambda: backend, exposition), host, port, **files)
+    return await start_http(create_app(lambda: backend, exposition, chat_config=chat), host, port, **files)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -137,6 +140,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         configure_tracing(TracingConfig(otlp_endpoint=args.otlp_endpoint, service_name="kvmesh-router"))
     tokenizer = load_tokenizer(resolve_model_path(args.model, progress=False))
     tls = router_tls(args)
+    chat = ChatConfig(**chat_overrides(args))
 
     async def run() -> None:
         router = RouterServer(StaticRegistry(args.worker), tokenizer, config, args.model_id, args.host, args.port,
@@ -147,7 +151,7 @@ def cmd_router(args: argparse.Namespace) -> int:
             nonlocal http
             await router.start(min_workers=args.min_workers or len(args.worker))
             if args.http_port is not None:
-                http = await serve_router_http(router, tokenizer, args.model_id, args.host, args.http_port)
+                http = await serve_router_http(router, tokenizer, args.model_id, args.host, args.http_port, chat)
                 scheme = "https" if tls is not None else "http"
                 print(f"KVMESH_ROUTER_HTTP url={scheme}://{args.host}:{http.port}", flush=True)
             print(f"KVMESH_ROUTER_READY address={router.address}", flush=True)

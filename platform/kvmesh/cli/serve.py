@@ -9,7 +9,7 @@ import secrets
 import signal
 import time
 
-from kvmesh.cli.args import add_engine_args, engine_overrides
+from kvmesh.cli.args import add_chat_args, add_engine_args, chat_overrides, engine_overrides
 from kvmesh.rpc.internal_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from kvmesh.serve.config import ServingConfig
 from kvmesh.serve.local import serve_local
@@ -45,6 +45,7 @@ def add_parser(sub) -> None:
                    help="file with the token every worker RPC must carry (default: KVMESH_INTERNAL_TOKEN; "
                         "--local makes one up per run)")
     add_engine_args(s)
+    add_chat_args(s)
     s.set_defaults(func=cmd_serve)
 
 
@@ -82,6 +83,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
                       ("tls_client_ca", "tls_client_ca_file"), ("internal_token_file", "internal_token_file")):
         if getattr(args, flag, None):
             data["security"][key] = getattr(args, flag)
+    data["chat"].update(chat_overrides(args))
     return ServingConfig.model_validate(data)
 
 

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvmesh.chat.config import ChatConfig
 from kvmesh.config import EngineConfig, TracingConfig
 from kvmesh.router.config import RouterConfig
 from kvmesh.serve.autoscale import policy_config
@@ -221,6 +222,8 @@ class ServingConfig(_Base):
     )
     security: SecurityConfig = Field(default_factory=SecurityConfig,
                                      description="TLS of the public endpoints, internal token file.")
+    chat: ChatConfig = Field(default_factory=ChatConfig,
+                             description="Tool-call and reasoning parsers of the OpenAI chat API.")
 
     @property
     def proxy_location(self) -> str:

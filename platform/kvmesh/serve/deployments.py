@@ -199,6 +199,7 @@ class RouterDeployment:
         self.router = self._loop.run(_start_router(self._registry, tokenizer, cfg, len(needed)))
         self.grpc_address = f"{_advertised_host(cfg.host)}:{self.router.port}"
         _STATE["router"] = self.router
+        _api.state.kvmesh_chat = cfg.chat  # the app is built at import, before the config arrives
         self._http = None
         if cfg.http_ingress == "router":
             # HTTP on the router's loop, calling its API in-process (no loopback gRPC).

@@ -203,7 +203,7 @@ def router_args(cfg: ServingConfig, worker_addresses: list[str], http: bool) -> 
     if cfg.engine.model.model:
         args += ["--model", cfg.engine.model.model]
     if http:
-        args += ["--http-port", str(cfg.http_port)]
+        args += ["--http-port", str(cfg.http_port), *cfg.chat.cli_flags()]
     if cfg.tracing.otlp_endpoint:
         args += ["--otlp-endpoint", cfg.tracing.otlp_endpoint]
     sec = cfg.security

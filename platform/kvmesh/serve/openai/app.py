@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvmesh.chat import ChatConfig
 from kvmesh.errors import KVMeshError
 from kvmesh.rpc.auth import ApiKeys
 from kvmesh.serve.openai import chat, completions, tokenize
@@ -42,10 +43,12 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(get_backend: Callable[[], Backend | None], metrics: MetricsRenderer | None = None,
-               title: str = "kvmesh", limits: HTTPLimits | None = None) -> FastAPI:
+               title: str = "kvmesh", limits: HTTPLimits | None = None, chat_config: ChatConfig | None = None) -> FastAPI:
     """The OpenAI-compatible app. `get_backend` is called per request (the Ray replica
-    sets its backend after the app object is built); `metrics` renders /metrics."""
+    sets its backend after the app object is built); `metrics` renders /metrics;
+    `chat_config` the tool-call / reasoning parsers (`app.state.kvmesh_chat`)."""
     app = FastAPI(title=f"{title} OpenAI-compatible API")
+    app.state.kvmesh_chat = chat_config or ChatConfig()
     app.state.kvmesh_backends = BackendSource(get_backend)
     app.state.kvmesh_metrics = metrics
     app.state.kvmesh_limits = limits = limits or HTTPLimits()

@@ -21,9 +21,11 @@ from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 
 import grpc
+import jinja2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
+from kvmesh.chat import ToolSet, takes_tools, template_messages, template_source
 from kvmesh.errors import KVMeshError
 from kvmesh.router.api import Call
 from kvmesh.rpc import CHANNEL_OPTIONS
@@ -48,18 +50,39 @@ class Backend:
         self._max_model_len = 0
         self.metadata = bearer_metadata(ApiKeys.from_env().service_key)  # the router checks the same keys
 
-    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the chat under the template (blocking: call it off the event loop)."""
-        if not getattr(self.tokenizer, "chat_template", None):
+    def chat_prompt_ids(self, messages: list[ChatMessage], tools: ToolSet | None = None,
+                        add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat under the template (blocking: call it off the event loop).
+        `tools` go to a template that reads them, else into a system prompt (kvmesh.chat.tools)."""
+        source = template_source(self.tokenizer)
+        if not source:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        conv = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in messages]
-        ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+        conv, extra = template_messages([m.template_dict() for m in messages], tools, takes_tools(source))
+        try:
+            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                     **extra)
+        except jinja2.TemplateError as e:  # e.g. a template's raise_exception on roles it does not take
+            raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids, as the router encodes a text prompt (blocking)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        return self.tokenizer.convert_ids_to_tokens(token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
 
     def _call_metadata(self, span) -> tuple[tuple[str, str], ...]:
         """The HTTP caller's API key (else the service key) and the trace context of `span`."""

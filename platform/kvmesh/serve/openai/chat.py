@@ -10,6 +10,13 @@ compresses text prompts); usage then reports the uncompressed prompt length as
 `max_prompt_chars` and templated off the event loop; a non-streaming request is
 cancelled when its client disconnects.
 Streams open with a role-only delta, as OpenAI's do.
+
+Tools (`tools`, `tool_choice`, `parallel_tool_calls`) reach the template (or a Hermes-style
+system prompt when it ignores them); the reply is read by the server's tool-call parser
+(`--tool-call-parser`, auto by default) into `message.tool_calls` / streamed `tool_calls`
+deltas, and by the reasoning parser (`--reasoning-parser`) into `reasoning_content`
+(kvmesh.chat.output.ChatOutput, one reader for both, so a stream reassembles to the
+whole message). A reply with calls ends with finish_reason `tool_calls`.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from typing import Any
 from fastapi import Request
 
 from kvmesh._proto import llm_pb2
+from kvmesh.chat import ChatConfig, ChatOutput, ChatOutputSpec, ToolSet, get_reasoning_parser, merge_deltas, output_spec
+from kvmesh.chat.template import resolve_tool_parser, template_source
 from kvmesh.compress import OPEN, CompressionOptions, compress_prompt
 from kvmesh.errors import InvalidRequestError
 from kvmesh.serve.openai.backend import Backend
@@ -49,13 +58,15 @@ async def chat_completions(body: ChatRequest, request: Request):
     if body.max_completion_tokens is not None and body.max_tokens is None:
         body.max_tokens = body.max_completion_tokens
     check_prompt_chars(limits_of(request), sum(len(m.text()) for m in body.messages), "messages")
-    ids = await asyncio.to_thread(b.chat_prompt_ids, body.messages)
+    cfg: ChatConfig = request.app.state.kvmesh_chat
+    tools = _tool_set(body, cfg)
+    ids = await asyncio.to_thread(b.chat_prompt_ids, body.messages, tools)
     original_tokens = None
     comp = compression_options(body)
     if comp is not None:
         original_tokens = len(ids)
         messages = await compress_messages(body.messages, comp, b.tokenizer)
-        ids = await asyncio.to_thread(b.chat_prompt_ids, messages)
+        ids = await asyncio.to_thread(b.chat_prompt_ids, messages, tools)
     n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.to_proto(n_logprobs, default_max_tokens=None)
     if body.max_tokens is None:
@@ -63,36 +74,85 @@ async def chat_completions(body: ChatRequest, request: Request):
         # router's INVALID_ARGUMENT).
         context = await b.max_model_len()
         params.max_tokens = max(1, context - len(ids)) if context else 2**31 - 1
+    spec = _output_spec(b, body, cfg, tools, ids, params)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model}
     req = build_request(cid, ids, params, body)
     if not body.stream:
-        return await until_disconnected(request, _complete(b, body, req, head, original_tokens))
-    return await stream_response(_events(b, body, req, {**head, "object": "chat.completion.chunk"}, original_tokens),
-                                 preamble=1)
+        return await until_disconnected(request, _complete(b, body, req, head, original_tokens, spec))
+    return await stream_response(_events(b, body, req, {**head, "object": "chat.completion.chunk"}, original_tokens,
+                                         spec), preamble=1)
 
 
 async def _complete(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],
-                    original_tokens: int | None) -> dict[str, Any]:
+                    original_tokens: int | None, spec: ChatOutputSpec) -> dict[str, Any]:
     text, msgs = await collect(b, req)
     last = msgs[-1] if msgs else llm_pb2.GenerateResponse()
-    return {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": _logprobs(b, body, msgs), "finish_reason": last.finish_reason or None}],
+    out = ChatOutput(spec)
+    message = out.message(text)
+    return {**head, "choices": [{"index": 0, "message": message, "logprobs": _logprobs(b, body, msgs),
+                                 "finish_reason": out.finish_reason(last.finish_reason or None)}],
             "usage": usage(last.usage, original_tokens)}
 
 
 async def _events(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],
-                  original_tokens: int | None) -> AsyncIterator[str]:
+                  original_tokens: int | None, spec: ChatOutputSpec) -> AsyncIterator[str]:
     yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]})
     last = None
+    out = ChatOutput(spec)
     async for msg in b.generate(req):
         last = msg
-        delta = {"content": msg.text} if msg.text else {}
+        delta = out.feed(msg.text)
+        if msg.finish_reason:  # the reply ends: what the parsers held back goes with it
+            delta = merge_deltas([delta, out.finish()])
         yield sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": _logprobs(b, body, [msg]),
-                                        "finish_reason": msg.finish_reason or None}]})
+                                        "finish_reason": out.finish_reason(msg.finish_reason or None)}]})
+    if not out.finished and (rest := out.finish()):  # a stream that ended without a finish reason
+        yield sse({**head, "choices": [{"index": 0, "delta": rest, "logprobs": None, "finish_reason": None}]})
     if body.include_usage_in_stream() and last is not None:
         yield sse({**head, "choices": [], "usage": usage(last.usage, original_tokens)})
+
+
+def _tool_set(body: ChatRequest, cfg: ChatConfig) -> ToolSet | None:
+    """The request's validated tools (None without tools: plain chat)."""
+    if body.tools is None and body.tool_choice is None and body.parallel_tool_calls is None:
+        return None
+    tools = body.tool_set()
+    if tools.choice == "auto" and not cfg.enable_auto_tool_choice:
+        raise APIError(400, "tool_choice auto (the default with tools) is off on this server (start it with "
+                            "--enable-auto-tool-choice); send tool_choice required or a named function",
+                       param="tool_choice")
+    return tools
+
+
+def _output_spec(b: Backend, body: ChatRequest, cfg: ChatConfig, tools: ToolSet | None, ids: list[int],
+                 params: llm_pb2.SamplingParams) -> ChatOutputSpec:
+    """How this reply is read (tool-call and reasoning parsers); also constrains `params`
+    for required / named tool choices and keeps the special tokens a format needs."""
+    parser = None
+    constrained = False
+    if tools is not None and tools.active:
+        try:
+            parser = resolve_tool_parser(cfg.tool_call_parser, template_source(b.tokenizer))
+        except ValueError as e:
+            raise APIError(500, f"server misconfigured: {e}", "internal_error") from None
+        schema = tools.output_schema()
+        constrained = schema is not None and constrain_to_schema(params, schema)
+        if parser.needs_special_tokens and body.skip_special_tokens is None:
+            params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
+    reasoning = get_reasoning_parser(cfg.reasoning_parser) if cfg.reasoning_parser else None
+    tail = b.tokenizer.decode(ids[-8:]) if reasoning is not None and b.tokenizer is not None else ""
+    return output_spec(tools, parser, constrained, reasoning, tail)
+
+
+def constrain_to_schema(params: llm_pb2.SamplingParams, schema: dict[str, Any]) -> bool:
+    """Hold the output to `schema` with the grammar engine (tool_choice required / named);
+    returns whether it is held. This is the merge point with structured outputs
+    (SamplingParams.structured_outputs, field 16, built from a JSON-schema dict by
+    protocol.py). Until it is wired, it returns False: required / named replies are then
+    read with the format parser, the prompt asking for the call without enforcing it."""
+    return False
 
 
 def _logprobs(b: Backend, body: ChatRequest, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, Any] | None:
@@ -125,6 +185,6 @@ async def compress_messages(messages: list[ChatMessage], options: CompressionOpt
                 result = await asyncio.to_thread(compress_prompt, text, options, tokenizer=tokenizer)
             except InvalidRequestError as e:
                 raise APIError(400, str(e), param=getattr(e, "field", "compression")) from None
-            m = ChatMessage(role=m.role, content=result.text)
+            m = m.model_copy(update={"content": result.text})
         out.append(m)
     return out

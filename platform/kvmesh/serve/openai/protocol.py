@@ -1,7 +1,7 @@
 """The OpenAI wire shapes kvmesh speaks: request bodies (pydantic) and the error shape.
 
 Request models ignore unknown fields (as vLLM does) and reject known but unsupported
-ones with a non-default value (n > 1, echo, tools, ...) with a 400 that says what to
+ones with a non-default value (n > 1, best_of, logit_bias, ...) with a 400 that says what to
 change. `APIError` is the OpenAI error `{"error": {"message", "type", "param", "code"}}`
 with its HTTP status; `APIError.of` maps the router's typed errors onto it
 (InvalidRequestError -> 400 with `param` the field it names, UnavailableError -> 503,
@@ -22,7 +22,8 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvmesh._proto import llm_pb2
-from kvmesh.errors import KVMeshError, RateLimitedError
+from kvmesh.chat.tools import ToolSet
+from kvmesh.errors import InvalidRequestError, KVMeshError, RateLimitedError
 from kvmesh.rpc.status import error_of_rpc, status_of
 
 HTTP_OF_GRPC = {
@@ -191,11 +192,44 @@ class CompletionRequest(SamplingFields):
         return list(p)  # a batch of prompts: one choice each
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(..., min_length=1)
+    arguments: str = Field("", description="The call's arguments as JSON text (as the API returned them).")
+
+
+class MessageToolCall(BaseModel):
+    """A past call of an assistant message (sent back with the tool's result)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="assistant: the calls it made.")
+    tool_call_id: str | None = Field(None, description="tool: the call this message answers.")
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (kvmesh.chat.tools.template_messages)."""
+        out: dict[str, Any] = {"role": self.role if self.role != "developer" else "system", "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            if self.content is None:
+                out["content"] = None
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -218,13 +252,21 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = Field(None, description="Functions the model may call: [{type: function, function: "
+                                    "{name, description, parameters}}] (kvmesh.chat.tools).")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="none, auto (the default with tools), required, or {type: function, function: {name}}.")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per reply.")
     response_format: dict[str, Any] | None = None
+
+    def tool_set(self) -> ToolSet:
+        """The validated tools and tool_choice (a 400 naming the field when wrong)."""
+        try:
+            return ToolSet.parse(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.field) from None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise APIError(400, "tools / function calling is not supported by kvmesh yet; remove tools",
-                           param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise APIError(400, "only response_format {type: text} is supported", param="response_format")

@@ -54,18 +54,18 @@ async def tokenize(body: TokenizeRequest, request: Request):
         ids = await asyncio.to_thread(b.chat_prompt_ids, body.messages, add_generation_prompt=body.add_generation_prompt)
     else:
         check_prompt_chars(limits, len(body.prompt), "prompt")
-        ids = await asyncio.to_thread(b.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await asyncio.to_thread(b.encode, body.prompt, body.add_special_tokens)
     out = {"count": len(ids), "max_model_len": await b.max_model_len(), "tokens": list(ids)}
     if body.return_token_strs:
-        out["token_strs"] = b.tokenizer.convert_ids_to_tokens(list(ids))
+        out["token_strs"] = b.token_strs(list(ids))
     return out
 
 
 async def detokenize(body: DetokenizeRequest, request: Request):
     b = BackendSource.of(request).require()
     check_model(b, body.model)
-    vocab = len(b.tokenizer)
+    vocab = b.vocab_size
     bad = next((t for t in body.tokens if t >= vocab), None)
     if bad is not None:
         raise APIError(400, f"tokens: id {bad} is outside the vocabulary (size {vocab})", param="tokens")
-    return {"prompt": await asyncio.to_thread(b.tokenizer.decode, body.tokens)}
+    return {"prompt": await asyncio.to_thread(b.decode, body.tokens)}
