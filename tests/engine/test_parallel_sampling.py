@@ -6,8 +6,8 @@ returns to all free."""
 
 import pytest
 import torch
-
 from helpers import hf_greedy
+
 from kvmesh import SamplingParams
 from kvmesh.build import build_engine
 from kvmesh.errors import InvalidRequestError
