@@ -81,3 +81,29 @@ def test_every_choice_gets_the_prompt_logprobs_once(model_factory):
         SamplingParams(prompt_logprobs=21)
     assert e.value.field == "prompt_logprobs"
     assert engine.num_free_blocks == engine.num_usable_blocks
+
+
+def test_preempted_request_delivers_its_prompt_logprobs_once(model_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = model_factory()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (26, 22)]
+    # 15 blocks of 4 for two requests growing to ~50 tokens each: the newer one is preempted
+    # and recomputes its prompt (5-token chunks), which must not repeat or lose an entry.
+    engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=16, max_model_len=56,
+                          num_threads=1, max_num_batched_tokens=5)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=26, temperature=0, ignore_eos=True,
+                                                      prompt_logprobs=K))
+    got = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in got
+                got[out.request_id] = out.prompt_logprobs
+    assert engine.stats()["num_preemptions"] > 0
+    for i, p in enumerate(prompts):
+        _check(got[f"r{i}"], _hf_prompt_logprobs(hf, p), p, K)
+    assert engine.num_free_blocks == engine.num_usable_blocks

@@ -327,8 +327,11 @@ class LLMEngine:
             self.kv_connector.save_after_step(sched, live)
         for rid, plp in runner_out.prompt_logprobs.items():
             state = self._states.get(rid)
-            if state is not None and state.prompt_logprobs is not None and plp.start == len(state.prompt_logprobs) + 1:
-                state.prompt_logprobs.extend(plp.items)  # (a recompute after preemption repeats: dropped)
+            if state is not None and state.prompt_logprobs is not None:
+                # Entries hold prompt tokens 1..; a recompute after preemption repeats some: kept once.
+                have = len(state.prompt_logprobs)
+                if plp.start <= have + 1:
+                    state.prompt_logprobs.extend(plp.items[have + 1 - plp.start:])
         now = time.monotonic()
         outputs = []
         for res in results:
