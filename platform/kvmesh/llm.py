@@ -41,7 +41,8 @@ class LLM:
         use_tqdm: bool = False,
         compression: CompressionOptions | dict | Sequence[CompressionOptions | dict | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); results in input order.
+        """Generate for every prompt (text or token ids); results in input order, one
+        RequestOutput per prompt with `n` completions in `outputs` (by index, as vLLM).
 
         `compression` (kvmesh.compress.CompressionOptions or a dict, applied to every
         prompt, or a list with one entry or None per prompt) compresses the
@@ -61,11 +62,11 @@ class LLM:
         try:
             for prompt, p, c in zip(prompts, params, compression):
                 self._counter += 1
-                ids.append(self._add(f"llm-{self._counter}", prompt, p, c))
+                ids.append(self._add(f"llm-{self._counter}", prompt, p or SamplingParams(), c))
         except Exception:
             self.engine.abort(ids)
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(ids, [(p or SamplingParams()).n for p in params], use_tqdm)
 
     def _add(self, request_id: str, prompt, params: SamplingParams,
              compression: CompressionOptions | dict | None) -> str:
@@ -80,13 +81,28 @@ class LLM:
         text = compress_prompt(prompt, opts, tokenizer=self.engine.tokenizer).text
         return self.engine.add_request(request_id, text, params, arrival_time=arrival, original_prompt_tokens=original)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
+    def _run(self, ids: list[str], ns: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, list[RequestOutput]] = {i: [] for i in ids}
+        prompt_lps: dict[str, list] = {}
+        left = dict(zip(ids, ns))
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                if out.prompt_logprobs is not None:
+                    prompt_lps.setdefault(out.request_id, out.prompt_logprobs)
                 if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
+                    done[out.request_id].append(out)
+                    left[out.request_id] -= 1
+                    bar.update(left[out.request_id] == 0)
         bar.close()
-        return [done[i] for i in ids]
+        return [_merge_choices(done[i], prompt_lps.get(i)) for i in ids]
+
+
+def _merge_choices(finals: list[RequestOutput], prompt_logprobs: list | None) -> RequestOutput:
+    """One RequestOutput of a prompt: its choices' completions in index order, the prompt
+    logprobs (delivered on a choice's first output) attached."""
+    finals = sorted(finals, key=lambda o: o.index)
+    first = finals[0]
+    first.outputs = [o.outputs[0] for o in finals]
+    first.prompt_logprobs = prompt_logprobs
+    return first

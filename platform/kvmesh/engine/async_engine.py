@@ -97,6 +97,9 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request. Validation errors raise before streaming.
 
+        With `params.n` > 1 the choices' outputs interleave (RequestOutput.index says
+        whose); the stream ends when every choice has finished.
+
         `hold_kv`: see LLMEngine.add_request; free the blocks with
         `run_between_steps(lambda: engine.release_kv(request_id))`.
         """
@@ -113,17 +116,20 @@ class AsyncLLMEngine:
         else:
             ids, text = list(prompt), None
         self.engine.validate_prompt_ids(ids)
+        self.engine.validate_params(params, hold_kv)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._pending_adds.append((request_id, ids, params, text, hold_kv))
         self._wakeup.set()
         finished = False
+        unfinished = params.n
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                unfinished -= item.finished
+                finished = unfinished == 0
                 yield item
                 if finished:
                     return

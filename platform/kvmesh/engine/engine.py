@@ -42,6 +42,11 @@ def pin_request_id(name: str) -> str:
     return f"__prompt_cache__:{name}"
 
 
+def choice_request_id(request_id: str, index: int) -> str:
+    """The scheduler's id of choice `index` of an n > 1 request (choice 0 keeps the id)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
 @dataclass
 class _OutputState:
     """Per-request state of the output side (text, logprobs)."""
@@ -51,6 +56,13 @@ class _OutputState:
     logprobs: list[TokenLogprobs] | None
     token_ids: list[int] = field(default_factory=list)
     original_prompt_tokens: int | None = None  # before compression; None: not compressed
+    # n > 1: the request's id (outputs carry it) and this choice's index.
+    group_id: str = ""
+    index: int = 0
+    # With prompt_logprobs: the logprobs of prompt tokens 1.., shared by all the choices
+    # (choice 0 computes them); `prompt_logprobs_sent` once this choice delivered them.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class LLMEngine:
@@ -91,6 +103,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_seqs, sc.max_num_batched_tokens, model.max_model_len,
                                    kv_loader=kv_loader if kv_loader is not None else kv_connector)
         self._states: dict[str, _OutputState] = {}
+        # n > 1: request id -> the scheduler ids of its unfinished choices (abort takes all).
+        self._groups: dict[str, list[str]] = {}
         # Outputs of other requests produced while cache_prompt drove the engine.
         self._buffered: list[RequestOutput] = []
         self._pins = PinnedPrompts(self.kv_manager.num_usable_blocks, cc.block_size, model.max_model_len,
@@ -168,17 +182,38 @@ class LLMEngine:
             raise InvalidRequestError("prompt", "must not be empty")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt_ids(ids)
+        self.validate_params(params, hold_kv)
         if hold_kv:
             self._check_held_fits(len(ids), params.max_tokens)
-        req = Request(request_id, ids, params, self.eos_token_id, prompt=text, arrival_time=arrival_time,
-                      eos_token_ids=self.eos_token_ids)
-        req.hold_kv = hold_kv
-        self.scheduler.add_request(req)
-        self._states[request_id] = _OutputState(
-            req, IncrementalDetokenizer(self.tokenizer, ids, params),
-            [] if params.logprobs is not None else None, original_prompt_tokens=original_prompt_tokens,
-        )
+        rids = [choice_request_id(request_id, i) for i in range(params.n)]
+        if any(r in self._states for r in rids[1:]):
+            raise InvalidRequestError("request_id", f"{request_id!r} clashes with a choice of another request")
+        reqs = [Request(rid, ids, params.for_choice(i) if params.n > 1 else params, self.eos_token_id, prompt=text,
+                        arrival_time=arrival_time, eos_token_ids=self.eos_token_ids) for i, rid in enumerate(rids)]
+        reqs[0].hold_kv = hold_kv
+        self.scheduler.add_request(reqs[0], reqs[1:])
+        prompt_lps = [] if params.prompt_logprobs is not None else None
+        for i, req in enumerate(reqs):
+            self._states[req.request_id] = _OutputState(
+                req, IncrementalDetokenizer(self.tokenizer, ids, req.sampling_params),
+                [] if params.logprobs is not None else None, original_prompt_tokens=original_prompt_tokens,
+                group_id=request_id, index=i, prompt_logprobs=prompt_lps,
+            )
+        if params.n > 1:
+            self._groups[request_id] = rids
         return request_id
+
+    def validate_params(self, params: SamplingParams, hold_kv: bool = False) -> None:
+        """What SamplingParams cannot check alone: limits of this model and engine."""
+        vocab = self.model_info.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise InvalidRequestError("logit_bias", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.n > 1 and hold_kv:
+            raise InvalidRequestError("n", "n > 1 cannot be prefilled for a KV transfer or a pinned prompt")
+        if params.n > self.scheduler.max_num_seqs:
+            raise InvalidRequestError("n", f"{params.n} choices exceed this engine's batch of max_num_seqs="
+                                           f"{self.scheduler.max_num_seqs}; ask for fewer")
 
     def _check_held_fits(self, num_prompt: int, max_tokens: int) -> None:
         """A request that holds its KV keeps every block, even past a sliding window (whose
@@ -206,7 +241,10 @@ class LLMEngine:
             )
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests (every choice of an n > 1 request by its id, or one choice by its
+        scheduler id)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = [c for rid in ids for c in self._groups.pop(rid, [rid])]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
             self._states.pop(rid, None)
@@ -259,10 +297,16 @@ class LLMEngine:
         raise StepFailedError for them."""
         logger.exception("engine step failed; failing its %d request(s): %s", len(request_ids), request_ids,
                          exc_info=exc)
-        self.abort(request_ids)
+        # The callers' ids: a failed choice fails its whole request.
+        groups = list(dict.fromkeys(self._group_of(rid) for rid in request_ids))
+        self.abort(groups + request_ids)
         for rid in request_ids:
             self.kv_manager.release(rid)  # finished (hold_kv) within the failed step
-        raise StepFailedError(request_ids, exc) from exc
+        raise StepFailedError(groups, exc) from exc
+
+    def _group_of(self, rid: str) -> str:
+        state = self._states.get(rid)
+        return rid if state is None else state.group_id
 
     def _run_scheduled(self, sched: SchedulerOutput) -> list[RequestOutput]:
         runner_out = self.executor.execute(sched)
@@ -281,6 +325,13 @@ class LLMEngine:
             live = dict(self.scheduler.requests)
             live.update((r.request.request_id, r.request) for r in results)
             self.kv_connector.save_after_step(sched, live)
+        for rid, plp in runner_out.prompt_logprobs.items():
+            state = self._states.get(rid)
+            if state is not None and state.prompt_logprobs is not None:
+                # Entries hold prompt tokens 1..; a recompute after preemption repeats some: kept once.
+                have = len(state.prompt_logprobs)
+                if plp.start <= have + 1:
+                    state.prompt_logprobs.extend(plp.items[have + 1 - plp.start:])
         now = time.monotonic()
         outputs = []
         for res in results:
@@ -309,9 +360,15 @@ class LLMEngine:
             metrics["original_prompt_tokens"] = state.original_prompt_tokens
         if finished:
             self._states.pop(req.request_id, None)
+            self._choice_done(state)
             metrics["e2e_s"] = now - req.arrival_time
+        prompt_lps = None
+        lps = state.prompt_logprobs
+        if lps is not None and not state.prompt_logprobs_sent and len(lps) == req.num_prompt_tokens - 1:
+            prompt_lps = [None, *lps]
+            state.prompt_logprobs_sent = True
         completion = CompletionOutput(
-            index=0,
+            index=state.index,
             text=state.detok.text,
             token_ids=list(state.token_ids),
             finish_reason=req.status.value if finished else None,
@@ -321,10 +378,19 @@ class LLMEngine:
             delta_token_ids=list(res.new_token_ids),
         )
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
+            state.group_id, req.prompt, req.prompt_token_ids, [completion], finished,
             num_cached_tokens=max(req.num_cached_tokens, 0), metrics=metrics,
             held_block_ids=req.held_block_ids if finished else None,
+            index=state.index, prompt_logprobs=prompt_lps,
         )
+
+    def _choice_done(self, state: _OutputState) -> None:
+        """Forget a finished choice of an n > 1 request; the request once all are."""
+        rids = self._groups.get(state.group_id)
+        if rids is not None and state.request.request_id in rids:
+            rids.remove(state.request.request_id)
+            if not rids:
+                del self._groups[state.group_id]
 
     # -- prompt cache -------------------------------------------------------
 

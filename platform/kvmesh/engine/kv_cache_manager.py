@@ -97,9 +97,11 @@ class KVCacheManager:
         """Longest run of leading full blocks already cached.
 
         At least one token is always left to compute: the model must run on the last
-        token to produce the logits for the next one.
+        token to produce the logits for the next one. Requests that want prompt logprobs
+        never hit (as in vLLM).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs come from the logits of every prompt position: a hit would skip them.
             return PrefixHit([], 0)
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -212,6 +214,33 @@ class KVCacheManager:
             if blocks[i] is not self.pool.null_block:  # (never registered: it stands for a dropped block)
                 self.pool.cache_full_block(blocks[i], request.block_hashes[i])
         self._num_cached[request.request_id] = num_full
+
+    def fork_point(self, num_prompt_tokens: int) -> int:
+        """How many leading prompt tokens the choices of an n > 1 request share: the full
+        blocks before the prompt's last token (each choice computes that token itself, for
+        its own first sample, so the block holding it is never shared)."""
+        return (num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def fork(self, parent: Request, child: Request) -> int:
+        """Give `child` a block table that shares `parent`'s first fork_point blocks by
+        reference (no copy, no allocation, so it cannot fail); returns the tokens shared.
+
+        The parent must have computed them. The partial last block is not shared: the
+        child recomputes its few tokens (< block_size + 1) into a block of its own, which
+        needs no KV-copy op in the executor and keeps every choice an ordinary request
+        afterwards (preemption, speculation, prefix caching)."""
+        assert child.request_id not in self.req_blocks, f"{child.request_id} already has blocks"
+        num_tokens = min(self.fork_point(parent.num_prompt_tokens), parent.num_computed_tokens)
+        n = num_tokens // self.block_size
+        pid = parent.request_id
+        shared = self.req_blocks.get(pid, [])[:n]
+        assert len(shared) == n, f"{pid} holds {len(shared)} blocks, fewer than the {n} to fork"
+        self.pool.touch(b for b in shared if b is not self.pool.null_block)
+        rid = child.request_id
+        self.req_blocks[rid] = list(shared)
+        self._num_cached[rid] = min(self._num_cached.get(pid, 0), n)
+        self._num_dropped[rid] = min(self._num_dropped.get(pid, 0), n)
+        return num_tokens
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, None)

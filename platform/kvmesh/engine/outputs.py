@@ -58,6 +58,15 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens [start, start + len(items)) given their prefixes, from one
+    prefill chunk (the logits at position j score prompt token j + 1, so start >= 1)."""
+
+    start: int
+    items: list[TokenLogprobs]
+
+
+@dataclass
 class ModelRunnerOutput:
     # Per sampling request: the new tokens (one, or with speculation the accepted
     # drafts plus one corrected / bonus token).
@@ -67,6 +76,8 @@ class ModelRunnerOutput:
     logits: dict[str, object] | None = None
     # (V,) sampling distributions per sampled request (draft models; when asked).
     probs: dict[str, object] | None = None
+    # Per request that asked for prompt_logprobs and computed prompt positions this step.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,3 +105,9 @@ class RequestOutput:
     # For requests added with hold_kv: the block table kept after finishing (the KV
     # of every token but the last), to be read and then `release_kv`-ed.
     held_block_ids: list[int] | None = None
+    # Which choice of an n > 1 request this output belongs to (its outputs[0].index too);
+    # every choice streams its own outputs and finishes on its own (`finished`).
+    index: int = 0
+    # With prompt_logprobs: one entry per prompt token (None for the first, which has no
+    # prefix), on the first output of each choice only.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -17,6 +17,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # A choice of an n > 1 request waiting for its first choice's prompt KV to fork from.
+    WAITING_FOR_FORK = "waiting_for_fork"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -72,6 +74,8 @@ class Request:
         # Keep the KV blocks after finishing (until released) instead of freeing them.
         self.hold_kv = False
         self.held_block_ids: list[int] | None = None
+        # Choices 1.. of an n > 1 request fork choice 0's (`parent_id`'s) prompt blocks.
+        self.parent_id: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvmesh.engine.hashing import MAX_CACHE_SALT_CHARS
 from kvmesh.errors import InvalidRequestError
 
 # How many top logprobs a request may ask for per generated token.
 MAX_LOGPROBS = 20
+# How many choices one request may ask for (OpenAI's `n`); each holds its own KV tail.
+MAX_N = 128
+# OpenAI's logit_bias range, added to the raw logits.
+MAX_LOGIT_BIAS = 100.0
 # Integer fields travel as protobuf int32 (seed as int64): anything outside cannot be sent
 # on to a worker, so it is refused here rather than failing in serialization.
 INT32_MAX = 2**31 - 1
@@ -54,12 +58,22 @@ class SamplingParams:
     # Prefix-cache isolation (vLLM's `cache_salt`): KV is reused only between requests with
     # the same salt (engine/hashing.py). Carried here so it travels with the request.
     cache_salt: str = ""
+    # Parallel sampling: `n` choices from one prompt, computed once (the choices fork its KV
+    # blocks). `best_of` is accepted only as None or == n (no ranking of extra samples).
+    n: int = 1
+    best_of: int | None = None
+    # {token id: bias in [-100, 100]} added to the raw logits before penalties (OpenAI).
+    logit_bias: dict[int, float] | None = None
+    # Top-k logprobs of every prompt token given its prefix (vLLM's prompt_logprobs, 0..20).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _parse_logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -101,6 +115,25 @@ class SamplingParams:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise bad("cache_salt", f"must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
+        self._validate_sampling_surface()
+
+    def _validate_sampling_surface(self) -> None:
+        """n / best_of / logit_bias / prompt_logprobs."""
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of", f"is supported only unset or equal to n ({self.n}), got "
+                                                 f"{self.best_of!r}: kvmesh does not rank extra samples")
+        for tid, bias in (self.logit_bias or {}).items():
+            if not 0 <= tid <= INT32_MAX:
+                raise InvalidRequestError("logit_bias", f"token id {tid} must be in [0, {INT32_MAX}]")
+            if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError("logit_bias", f"bias of token {tid} must be a number in "
+                                                        f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError("prompt_logprobs", f"must be between 0 and {MAX_LOGPROBS}, "
+                                                         f"got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -109,8 +142,17 @@ class SamplingParams:
     @property
     def can_speculate(self) -> bool:
         """Penalties and logprobs are position-dependent outputs the verifier does not
-        reproduce per draft position; such requests decode one token at a time."""
-        return self.speculative and not self.needs_penalties and self.logprobs is None
+        reproduce per draft position; such requests decode one token at a time. So do
+        requests with a logit_bias (the verifier scores the unbiased logits)."""
+        return self.speculative and not self.needs_penalties and self.logprobs is None and not self.logit_bias
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The params of choice `index` of an n > 1 request: one choice each, the seed
+        offset by the index (vLLM's seed + i, so choice i samples as a single request with
+        that seed would); prompt logprobs are computed once, by choice 0."""
+        seed = None if self.seed is None else _wrap_int64(self.seed + index)
+        return replace(self, n=1, best_of=None, seed=seed,
+                       prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     @property
     def needs_penalties(self) -> bool:
@@ -119,6 +161,27 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _wrap_int64(x: int) -> int:
+    """seed + i kept a 64-bit integer (wrapping past 2**63 - 1), so a seed near the top of
+    the range never makes a choice's params fail validation."""
+    return (x - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def _parse_logit_bias(bias) -> dict[int, float]:
+    """{token id: bias}; JSON object keys arrive as strings ("50256"), so digit strings
+    are read as ids. Anything else is refused naming the field."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias", f"must be a mapping of token id to bias, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        if not _is_int(key):
+            raise InvalidRequestError("logit_bias", f"keys must be token ids (integers), got {key!r}")
+        out[key] = value
+    return out
 
 
 def _valid_unicode(text: str) -> bool:

@@ -7,6 +7,14 @@ requests' decodes. Waiting requests are admitted FIFO while the budget, the
 max-running cap and free KV blocks last. When a running request cannot grow, the
 newest running request is preempted: its blocks are freed and it rejoins the front of
 the waiting queue to be recomputed (the prefix cache usually makes that cheap).
+
+Parallel sampling (n > 1): choice 0 runs as an ordinary request; choices 1.. wait
+(WAITING_FOR_FORK) until the step that computes choice 0's prompt has run, then fork its
+full prompt blocks (KVCacheManager.fork: shared by reference count, with or without prefix
+caching) and join the running list having only the prompt's last partial block left to
+compute. Choice 0 is admitted only when the batch has room for all n, so the forks never
+exceed max_num_seqs. After the fork each choice is an ordinary request: preempted, it
+frees its own references and recomputes like any other.
 """
 
 from __future__ import annotations
@@ -53,6 +61,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
+        # Choice 0's id -> the choices waiting to fork its prompt blocks (n > 1).
+        self._forks: dict[str, list[Request]] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
@@ -62,11 +72,28 @@ class Scheduler:
 
     # -- queue management -------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
+    def add_request(self, request: Request, forks: list[Request] | tuple[Request, ...] = ()) -> None:
+        """Queue `request`; `forks` are the other choices of an n > 1 request, which fork
+        its prompt blocks once it has computed them."""
+        for req in (request, *forks):
+            if req.request_id in self.requests:
+                raise ValueError(f"duplicate request id {req.request_id!r}")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if not forks:
+            return
+        if len(forks) + 1 > self.max_num_seqs:
+            raise ValueError(f"{len(forks) + 1} choices never fit a batch of max_num_seqs={self.max_num_seqs}")
+        share = self.kv.fork_point(request.num_prompt_tokens) > 0
+        for child in forks:
+            self.requests[child.request_id] = child
+            child.parent_id = request.request_id
+            if share:
+                child.status = RequestStatus.WAITING_FOR_FORK
+            else:  # a prompt shorter than a block plus one token: nothing to share
+                self.waiting.append(child)
+        if share:
+            self._forks[request.request_id] = list(forks)
 
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
         """Finish (e.g. abort, or stop on a stop string) requests wherever they are."""
@@ -79,11 +106,18 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_FORK:
+                self._forks[req.parent_id].remove(req)
             else:
                 self.waiting.remove(req)
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        # Choices still waiting for this one's prompt KV (it failed or was aborted alone)
+        # compute their own prompts instead.
+        for child in self._forks.pop(req.request_id, ()):
+            child.status = RequestStatus.WAITING
+            self.waiting.append(child)
         req.status = status
         if req.hold_kv and status != RequestStatus.FINISHED_ABORTED:
             req.held_block_ids = self.kv.hold(req)
@@ -108,6 +142,24 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def _seats_needed(self, req: Request) -> int:
+        """Batch seats admitting `req` takes: itself and its pending forks."""
+        return 1 + len(self._forks.get(req.request_id, ()))
+
+    def _seats_reserved(self) -> int:
+        """Seats promised to the pending forks of running choices."""
+        return sum(len(c) for pid, c in self._forks.items() if self.requests[pid].status == RequestStatus.RUNNING)
+
+    def _fork(self, parent: Request) -> None:
+        """Choices waiting on `parent` share its computed prompt blocks and start running."""
+        for child in self._forks.pop(parent.request_id, ()):
+            shared = self.kv.fork(parent, child)
+            child.num_computed_tokens = shared
+            if child.num_cached_tokens < 0:
+                child.num_cached_tokens = shared
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
 
     # -- scheduling -------------------------------------------------------
 
@@ -146,11 +198,13 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                if len(self.running) + self._seats_reserved() + self._seats_needed(req) > self.max_num_seqs:
+                    break
                 prefix = self.kv.get_computed_blocks(req)
                 # Loaded KV costs no compute budget; at least one token is always left
-                # to compute so the step produces logits.
+                # to compute so the step produces logits. Prompt logprobs need every position.
                 num_ext = 0
-                if self.kv_loader is not None:
+                if self.kv_loader is not None and req.sampling_params.prompt_logprobs is None:
                     num_ext = min(self.kv_loader.lookup(req, prefix.num_tokens),
                                   req.num_tokens - 1 - prefix.num_tokens)
                 num_new = min(req.num_tokens - prefix.num_tokens - num_ext, budget)
@@ -218,6 +272,8 @@ class Scheduler:
             req = self.requests.get(seq.request_id)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
+            if req.request_id in self._forks and req.num_computed_tokens >= self.kv.fork_point(req.num_prompt_tokens):
+                self._fork(req)  # its shared prompt blocks are computed now
             tokens = runner_out.sampled_token_ids.get(seq.request_id)
             if tokens is None:
                 continue  # a prefill chunk that does not reach the end of the prompt

@@ -25,6 +25,7 @@ def prompt_cache_id(token_ids: list[int]) -> str:
 _OPTIONAL_SCALARS = (
     "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens",
+    "n", "prompt_logprobs",
 )
 
 
@@ -35,6 +36,8 @@ def params_from_proto(msg: llm_pb2.SamplingParams) -> SamplingParams:
         stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
         include_stop_str_in_output=msg.include_stop_str_in_output, ignore_eos=msg.ignore_eos,
     )
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
     return SamplingParams(**kwargs)
 
 
@@ -47,6 +50,8 @@ def params_to_proto(p: SamplingParams) -> llm_pb2.SamplingParams:
         value = getattr(p, name)
         if value is not None:
             setattr(msg, name, value)
+    if p.logit_bias:
+        msg.logit_bias.update(p.logit_bias)
     return msg
 
 
@@ -60,16 +65,25 @@ def logprobs_to_proto(items: Iterable[TokenLogprobs]) -> list[llm_pb2.TokenLogpr
     ]
 
 
+def logprobs_from_proto(items: Iterable[llm_pb2.TokenLogprob]) -> list[TokenLogprobs]:
+    """Inverse of logprobs_to_proto (e.g. a GenerateResponse's prompt_logprobs)."""
+    return [TokenLogprobs(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in items]
+
+
 def output_to_proto(out: RequestOutput, request_id: str, num_new_logprobs: int = 0) -> llm_pb2.GenerateResponse:
-    """One streamed message: the delta of `out`, plus finish reason and usage when done.
+    """One streamed message: the delta of `out` (one choice of it: `index`), plus finish
+    reason and usage when that choice is done, and prompt logprobs on its first message.
 
     `num_new_logprobs` is how many entries at the end of the cumulative logprobs
     list belong to this delta (the engine keeps them cumulative).
     """
     c = out.outputs[0]
-    msg = llm_pb2.GenerateResponse(request_id=request_id, text=c.delta_text, token_ids=c.delta_token_ids)
+    msg = llm_pb2.GenerateResponse(request_id=request_id, text=c.delta_text, token_ids=c.delta_token_ids,
+                                   index=out.index)
     if c.logprobs and num_new_logprobs:
         msg.logprobs.extend(logprobs_to_proto(c.logprobs[-num_new_logprobs:]))
+    if out.prompt_logprobs is not None:  # the first prompt token has none: not sent
+        msg.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs[1:]))
     if out.finished:
         msg.finish_reason = c.finish_reason or ""
         msg.stop_reason = "" if c.stop_reason is None else str(c.stop_reason)

@@ -21,6 +21,7 @@ from kvmesh.layers.linear import prepack_linears
 from kvmesh.models.arch import ArchConfig
 from kvmesh.worker.cuda_graphs import DecodeGraphs, GraphRecorder
 from kvmesh.worker.kv_memory import populate_in_background, zeroed_tensor
+from kvmesh.worker.prompt_logprobs import compute_prompt_logprobs
 from kvmesh.worker.sampler import sample
 from kvmesh.worker.spec_decode import verify
 
@@ -128,6 +129,8 @@ class ModelRunner:
         sampling = [(i, s) for i, s in enumerate(seqs) if s.sample and not s.spec_token_ids]
         speculating = [(i, s) for i, s in enumerate(seqs) if s.sample and s.spec_token_ids]
         out = ModelRunnerOutput({}, logits={} if return_logits else None)
+        if any(s.sampling_params.prompt_logprobs is not None for s in seqs):
+            out.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, spans, seqs)
         if speculating:
             # logits at the last k + 1 positions: they predict draft_1..draft_k and the bonus
             idx = torch.cat([torch.arange(spans[i].q_start + spans[i].q_len - len(s.spec_token_ids) - 1,

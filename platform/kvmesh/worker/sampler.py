@@ -40,6 +40,22 @@ def apply_penalties(logits: torch.Tensor, row: int, params: SamplingParams,
         x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(x.dtype)
 
 
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place: add each row's logit_bias ({token id: bias}, ids checked against the
+    vocabulary at admission) to its raw logits, one scatter-add for the whole batch."""
+    rows, cols, vals = [], [], []
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            rows += [row] * len(p.logit_bias)
+            cols += list(p.logit_bias)
+            vals += list(p.logit_bias.values())
+    if not rows:
+        return
+    dev = logits.device
+    index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+    logits.index_put_(index, torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
+
+
 def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k / top-p / min-p set."""
     vocab = x.shape[-1]
@@ -84,6 +100,7 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprobs | None], torch.Tensor | None]:
     """logits: (B, V) float32, modified in place. Returns token ids, logprobs and (when
     asked, for sampling rows) the distributions the tokens were drawn from."""
+    apply_logit_bias(logits, params)
     for row, p in enumerate(params):
         if p.needs_penalties:
             apply_penalties(logits, row, p, *penalty_inputs[row])

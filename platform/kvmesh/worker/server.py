@@ -112,12 +112,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _stream(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                       engine_id: str, span=None) -> AsyncIterator[llm_pb2.GenerateResponse]:
-        """Run a request and stream its deltas; leaving early aborts it (frees blocks)."""
-        num_logprobs = 0
+        """Run a request and stream its deltas, every choice's (n > 1) with its index; leaving
+        early aborts it (frees blocks)."""
+        num_logprobs: dict[int, int] = {}  # per choice: logprobs sent so far
         async for out in self.aengine.generate(prompt, params, request_id=engine_id):
             lps = out.outputs[0].logprobs
-            new = len(lps) - num_logprobs if lps is not None else 0
-            num_logprobs += new
+            sent = num_logprobs.get(out.index, 0)
+            new = len(lps) - sent if lps is not None else 0
+            num_logprobs[out.index] = sent + new
             if out.finished:
                 self._finished(out, span)
             yield output_to_proto(out, request_id, new)
@@ -125,6 +127,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _finished(self, out: RequestOutput, span) -> None:
         self.counters.count_finished(out, self.cache_sources.split(out.request_id, out.num_cached_tokens))
         tracing.set_request_output(span, out)
+
+    @staticmethod
+    def _check_disaggregable(params: SamplingParams, rpc: str) -> None:
+        """P/D moves one prompt's KV for one continuation, computed from the prefix cache:
+        n > 1 and prompt logprobs run unified (Generate) only."""
+        if params.n > 1:
+            raise InvalidRequestError("n", f"{rpc} serves n = 1 only; send n > 1 requests to Generate")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs", f"{rpc} does not compute prompt logprobs; send such "
+                                                         "requests to Generate")
 
     def _check_healthy(self) -> None:
         """Refuse new work while the engine is unhealthy (UNAVAILABLE: the router skips
@@ -188,6 +200,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 self._check_healthy()
                 params = dataclasses.replace(params_from_proto(request.params), cache_salt=request.cache_salt)
+                self._check_disaggregable(params, "Prefill")
                 prompt = list(request.prompt_token_ids)
                 # Hold the KV only if a decode will follow: more tokens wanted and room left.
                 hold = params.max_tokens > 1 and len(prompt) + 1 < self.engine.max_model_len
@@ -277,6 +290,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 self._check_healthy()
                 params = dataclasses.replace(params_from_proto(request.params), cache_salt=request.cache_salt)
+                self._check_disaggregable(params, "Decode")
                 if params.max_tokens < 2:
                     raise InvalidRequestError("max_tokens", "Decode needs max_tokens >= 2 (prefill produced the "
                                                             "first token); finish max_tokens=1 requests at prefill")
