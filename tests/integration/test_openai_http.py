@@ -81,14 +81,67 @@ def test_completions_batch_logprobs_and_stop(router):
     assert stopped.choices[0].finish_reason == "stop" and stop_at not in stopped.choices[0].text
 
 
+def test_n_echo_logit_bias_and_prompt_logprobs(router):
+    """n > 1 (greedy choices agree with n = 1; seeded choice j equals a single request
+    with seed + j; usage counts the prompt once), echo with logprobs (the prompt's tokens
+    first, the first one's logprob null), logit_bias forcing a token, vLLM's
+    prompt_logprobs, and a streamed n = 2 reassembling to the same choices."""
+    _, base = router
+    c = client(base)
+    prompt = "The quick brown fox"
+    one = c.completions.create(model="kvmesh", prompt=prompt, max_tokens=5, temperature=0)
+    three = c.completions.create(model="kvmesh", prompt=prompt, max_tokens=5, temperature=0, n=3)
+    assert [ch.index for ch in three.choices] == [0, 1, 2]
+    assert all(ch.text == one.choices[0].text for ch in three.choices)
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    seeded = c.completions.create(model="kvmesh", prompt=prompt, max_tokens=6, temperature=1.0, seed=7, n=2)
+    for j in range(2):
+        single = c.completions.create(model="kvmesh", prompt=prompt, max_tokens=6, temperature=1.0, seed=7 + j)
+        assert seeded.choices[j].text == single.choices[0].text
+    batch = c.completions.create(model="kvmesh", prompt=[prompt, "Paged attention"], max_tokens=3, temperature=0,
+                                 n=2)
+    assert [ch.index for ch in batch.choices] == [0, 1, 2, 3] and batch.choices[0].text == batch.choices[1].text
+
+    echo = c.completions.create(model="kvmesh", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    ch = echo.choices[0]
+    assert ch.text.startswith(prompt) and ch.text[len(prompt):] == c.completions.create(
+        model="kvmesh", prompt=prompt, max_tokens=3, temperature=0).choices[0].text
+    n_prompt = echo.usage.prompt_tokens
+    assert len(ch.logprobs.tokens) == n_prompt + 3 and ch.logprobs.token_logprobs[0] is None
+    assert all(isinstance(x, float) for x in ch.logprobs.token_logprobs[1:])
+
+    forced = c.completions.create(model="kvmesh", prompt=prompt, max_tokens=3, temperature=0,
+                                  logit_bias={"42": 100})
+    ids = httpx.post(f"{base}/tokenize", json={"prompt": forced.choices[0].text, "add_special_tokens": False},
+                     headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()["tokens"]
+    assert ids and set(ids) == {42}
+
+    plp = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                     json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}).json()
+    entries = plp["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == plp["usage"]["prompt_tokens"]
+    assert all(all(v["logprob"] <= 0 for v in e.values()) for e in entries[1:])
+
+    texts = ["", ""]
+    finishes = [None, None]
+    for chunk in c.completions.create(model="kvmesh", prompt=prompt, max_tokens=5, temperature=0, n=2, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [one.choices[0].text] * 2 and finishes == ["length", "length"]
+
+
 def test_openai_style_errors(router):
     _, base = router
     h = {"Authorization": f"Bearer {KEY}"}
     cases = [
         ({"prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"prompt": "", "max_tokens": 2}, 400, "prompt"),
-        ({"prompt": "x", "n": 3}, 400, "n"),
-        ({"prompt": "x", "echo": True}, 400, "echo"),
+        ({"prompt": "x", "n": 0}, 400, "n"),
+        ({"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias"),
         ({"max_tokens": 2}, 400, "prompt"),
         ({"prompt": "x", "model": "nope"}, 404, "model"),
         ({"prompt": "x", "stream": True, "top_p": 7}, 400, "top_p"),  # before the first token: not a 200 stream

@@ -108,9 +108,20 @@ class _Transfer:
     pulled: bool = False  # the decode worker answered, so it has pulled (or recomputed)
 
 
+class _Choice:
+    """One choice of a request's stream (n > 1 has several): its detokenizer, stop
+    strings and the tokens sent so far."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
+        self.tokens: list[int] = []
+        self.cached_prompt_tokens: int | None = None
+        self.finished = False
+
+
 class _Stream:
     """The client-facing stream of one request: router-side detokenization, stop
-    strings, and the tokens sent so far (what a retry resumes from)."""
+    strings, and the tokens sent so far (what a retry resumes from), per choice."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer,
                  telemetry: RequestTelemetry, cache_salt: str = ""):
@@ -119,38 +130,61 @@ class _Stream:
         self.telemetry = telemetry
         self.prompt_ids = prompt_ids
         self.params = params
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
-        self.tokens: list[int] = []
-        self.cached_prompt_tokens: int | None = None
+        self.choices = [_Choice(prompt_ids, params, tokenizer) for _ in range(params.n)]
         self.original_prompt_tokens = 0  # before compression; 0: not compressed
-        self.finished = False
         self.worker_failures = 0  # workers that failed while serving this request
 
+    @property
+    def tokens(self) -> list[int]:
+        """The first choice's tokens (the only choice on the paths that resume or disaggregate)."""
+        return self.choices[0].tokens
+
+    @property
+    def sent_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.choices)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
     def emit(self, msg: llm_pb2.GenerateResponse) -> llm_pb2.GenerateResponse:
-        if self.cached_prompt_tokens is None and msg.HasField("usage"):
-            self.cached_prompt_tokens = msg.usage.cached_prompt_tokens
-        self.tokens.extend(msg.token_ids)
-        done = bool(msg.finish_reason) or len(self.tokens) >= self.params.max_tokens
-        delta, stop_hit = self.detok.update(list(msg.token_ids), done)
+        if not 0 <= msg.index < len(self.choices):
+            raise StatusError(grpc.StatusCode.INTERNAL, f"a worker sent choice {msg.index} of a request with "
+                                                        f"n={len(self.choices)}")
+        c = self.choices[msg.index]
+        if c.cached_prompt_tokens is None and msg.HasField("usage"):
+            c.cached_prompt_tokens = msg.usage.cached_prompt_tokens
+        c.tokens.extend(msg.token_ids)
+        done = bool(msg.finish_reason) or len(c.tokens) >= self.params.max_tokens
+        delta, stop_hit = c.detok.update(list(msg.token_ids), done)
         out = llm_pb2.GenerateResponse(request_id=self.request_id, text=delta, token_ids=msg.token_ids,
-                                       logprobs=msg.logprobs)
+                                       logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs, index=msg.index)
         if stop_hit:
-            out.finish_reason, out.stop_reason = "stop", self.detok.stop_string or ""
+            out.finish_reason, out.stop_reason = "stop", c.detok.stop_string or ""
         elif done:
             out.finish_reason = msg.finish_reason or "length"
             out.stop_reason = msg.stop_reason
         if out.finish_reason:
-            self.finished = True
-            out.usage.CopyFrom(llm_pb2.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.tokens),
-                                             cached_prompt_tokens=self.cached_prompt_tokens or 0,
+            c.finished = True
+            out.usage.CopyFrom(llm_pb2.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(c.tokens),
+                                             cached_prompt_tokens=c.cached_prompt_tokens or 0,
                                              original_prompt_tokens=self.original_prompt_tokens))
-        self.telemetry.on_message(len(out.token_ids), out.finish_reason, self.cached_prompt_tokens)
+        self.telemetry.on_message(len(out.token_ids), out.finish_reason if self.finished else "",
+                                  c.cached_prompt_tokens)
         return out
 
     def resume_request(self) -> llm_pb2.GenerateRequest:
-        """Generate request that continues after the tokens already sent."""
+        """Generate request that continues after the tokens already sent. Choices that
+        have diverged cannot be resumed as one request: an n > 1 request is retried
+        only while none of its tokens were sent."""
         proto = params_to_proto(self.params)
-        proto.max_tokens = self.params.max_tokens - len(self.tokens)
+        if self.sent_tokens and len(self.choices) > 1:
+            raise UnavailableError(f"request {self.request_id}: its worker failed after {self.sent_tokens} tokens "
+                                   f"of its {len(self.choices)} choices were sent, and parallel choices cannot "
+                                   "resume elsewhere; retry the request")
+        if self.tokens:
+            proto.max_tokens = self.params.max_tokens - len(self.tokens)
+            proto.ClearField("prompt_logprobs")  # already sent with the first token; the new prompt is longer
         return llm_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids + self.tokens,
                                        params=proto, cache_salt=self.cache_salt)
 
@@ -253,7 +287,7 @@ class RouterAPI:
             ids = await self._prompt_ids(request)
             tenant = self._tenant(call)
             salt = tenant_salt(tenant, request.cache_salt)
-            await self._admit(tenant, len(ids) + params.max_tokens)
+            await self._admit(tenant, len(ids) + params.max_tokens * params.n)
             route = self._route_request(rid, ids, salt)
             stream = _Stream(rid, ids, params, self.tokenizer, tel, salt)
             if compression is not None:
@@ -262,11 +296,14 @@ class RouterAPI:
                 async for msg in self._generate(route, stream, call):
                     yield msg
             finally:
-                await self.limiter.refund(tenant, params.max_tokens - len(stream.tokens))
+                await self.limiter.refund(tenant, params.max_tokens * params.n - stream.sent_tokens)
 
     async def _generate(self, route: RouteRequest, stream: _Stream, call: Call
                         ) -> AsyncIterator[llm_pb2.GenerateResponse]:
-        use_pd = self.scheduler.use_pd(route, self.pool.handles())
+        # Parallel choices and prompt logprobs run where the prompt is computed (the P/D
+        # RPCs carry one choice and no prompt logprobs).
+        one_stage = stream.params.n > 1 or stream.params.prompt_logprobs is not None
+        use_pd = not one_stage and self.scheduler.use_pd(route, self.pool.handles())
         decision = RouteDecision(route.request_id, "pd" if use_pd else "direct",
                                  prompt_tokens=len(route.prompt_token_ids),
                                  prefix_blocks={w.address: w.prefix_blocks(route.block_hashes)

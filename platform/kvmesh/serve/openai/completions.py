@@ -1,13 +1,17 @@
-"""`POST /v1/completions`: text completion over the router, one choice per prompt.
+"""`POST /v1/completions`: text completion over the router.
 
 A body may carry one prompt (text or token ids) or a batch of them; each becomes its own
-`GenerateRequest` (`<id>-<i>`), run concurrently, and its choice keeps the prompt's
-index. Without `stream` the reply waits for all choices and adds their usage up; with
-`stream` the choices' chunks are interleaved in arrival order as server-sent events,
-followed by the summed usage when `stream_options.include_usage` asks for it.
-`max_tokens` defaults to 16, as in OpenAI's API; `echo` and `suffix` are refused. A batch
-is capped at `max_prompts_per_request` and each text prompt at `max_prompt_chars`; a
-non-streaming request is cancelled when its client disconnects.
+`GenerateRequest` (`<id>-<i>`), run concurrently, with `n` choices each (sampled from one
+computed prompt on the worker); choice `i * n + j` is prompt i's choice j. Without
+`stream` the reply waits for all choices and adds their usage up (each prompt counted
+once); with `stream` the choices' chunks are interleaved in arrival order as server-sent
+events, followed by the usage when `stream_options.include_usage` asks for it.
+`echo` puts the prompt before each choice's text (with `logprobs`, the prompt tokens'
+logprobs first, the first token's null, as OpenAI's legacy API); `prompt_logprobs`
+(vLLM's) adds each prompt token's logprobs to the choice. `max_tokens` defaults to 16, as
+in OpenAI's API; `suffix` is refused. A batch is capped at `max_prompts_per_request` and
+each text prompt at `max_prompt_chars`; a non-streaming request is cancelled when its
+client disconnects.
 """
 
 from __future__ import annotations
@@ -26,12 +30,12 @@ from kvmesh.serve.openai.generation import (
     BackendSource,
     build_request,
     check_model,
-    collect,
-    merge_streams,
+    choice_messages,
+    choices_usage,
+    collect_choices,
+    prompt_logprobs_json,
     sse,
     stream_response,
-    sum_usage,
-    usage,
 )
 from kvmesh.serve.openai.limits import check_prompt_chars, limits_of, until_disconnected
 from kvmesh.serve.openai.protocol import APIError, CompletionRequest
@@ -42,12 +46,15 @@ from kvmesh.serve.openai.protocol import APIError, CompletionRequest
 async def completions(body: CompletionRequest, request: Request):
     b = BackendSource.of(request).require()
     body.check_unsupported()
-    if body.echo:
-        raise APIError(400, "echo is not supported; leave it false", param="echo")
     if body.suffix:
         raise APIError(400, "suffix is not supported; leave it unset", param="suffix")
+    if body.echo and body.compression is not None:
+        raise APIError(400, "echo returns the prompt as sent, which compression would rewrite; use one of them",
+                       param="echo")
     model = check_model(b, body.model)
     params = body.to_proto(body.logprobs, default_max_tokens=16)
+    if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
+        params.prompt_logprobs = body.logprobs  # the echoed prompt's tokens carry logprobs too
     cid = f"cmpl-{uuid.uuid4().hex}"
     head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model}
     prompts = body.prompts()
@@ -58,41 +65,86 @@ async def completions(body: CompletionRequest, request: Request):
     for p in prompts:
         if isinstance(p, str):
             check_prompt_chars(limits, len(p), "prompt")
+    echo = None
+    if body.echo:  # the prompt's tokens are needed to echo their logprobs: encode here, as the router would
+        texts = [p if isinstance(p, str) else b.decode(p) for p in prompts]
+        prompts = [await asyncio.to_thread(b.encode, p) if isinstance(p, str) else p for p in prompts]
+        echo = _Echo(b, prompts, texts, body)
     reqs = [build_request(f"{cid}-{i}", p, params, body) for i, p in enumerate(prompts)]
     if not body.stream:
-        return await until_disconnected(request, _complete(b, body, reqs, head))
-    return await stream_response(_events(b, body, reqs, head))
+        return await until_disconnected(request, _complete(b, body, reqs, head, echo))
+    return await stream_response(_events(b, body, reqs, head, echo))
+
+
+class _Echo:
+    """What `echo` puts before each choice: the prompt's text (and its tokens' logprobs)."""
+
+    def __init__(self, b: Backend, prompts: list[list[int]], texts: list[str], body: CompletionRequest):
+        self.b, self.prompts, self.texts, self.n = b, prompts, texts, body.n
+        self.logprobs = body.logprobs is not None
+
+    def text(self, choice: int) -> str:
+        return self.texts[choice // self.n]
+
+    def token_logprobs(self, choice: int, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, list] | None:
+        """The legacy logprobs of the prompt part: its tokens, null for the first token."""
+        if not self.logprobs:
+            return None
+        ids = self.prompts[choice // self.n]
+        first = next((m for m in msgs if m.prompt_logprobs), None)
+        lps = list(first.prompt_logprobs) if first is not None else []
+        tokens = [self.b.token_str(t) for t in ids]
+        return {"tokens": tokens, "token_logprobs": [None] + [lp.logprob for lp in lps],
+                "top_logprobs": [None] + [{self.b.token_str(t.token_id): t.logprob for t in lp.top} for lp in lps]}
 
 
 async def _complete(b: Backend, body: CompletionRequest, reqs: list[llm_pb2.GenerateRequest],
-                    head: dict[str, Any]) -> dict[str, Any]:
-    results = await asyncio.gather(*(collect(b, r) for r in reqs))
-    choices, usages = [], []
-    for i, (text, msgs) in enumerate(results):
-        last = msgs[-1] if msgs else llm_pb2.GenerateResponse()
-        choices.append({"index": i, "text": text, "logprobs": _logprobs(b, body, msgs),
-                        "finish_reason": last.finish_reason or None})
-        usages.append(usage(last.usage))
-    return {**head, "choices": choices, "usage": sum_usage(usages)}
+                    head: dict[str, Any], echo: _Echo | None) -> dict[str, Any]:
+    results = await collect_choices(b, reqs, body.n)
+    choices = []
+    for k, msgs in enumerate(results):
+        last = msgs[-1] if msgs else None
+        text = "".join(m.text for m in msgs)
+        choice = {"index": k, "text": (echo.text(k) if echo else "") + text,
+                  "logprobs": _logprobs(b, body, msgs, echo.token_logprobs(k, msgs) if echo else None),
+                  "finish_reason": (last.finish_reason if last else "") or None}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(b, msgs)
+        choices.append(choice)
+    return {**head, "choices": choices, "usage": choices_usage([m[-1] if m else None for m in results], body.n)}
 
 
 async def _events(b: Backend, body: CompletionRequest, reqs: list[llm_pb2.GenerateRequest],
-                  head: dict[str, Any]) -> AsyncIterator[str]:
-    usages = []
-    async for i, msg in merge_streams([b.generate(r) for r in reqs]):
-        yield sse({**head, "choices": [{"index": i, "text": msg.text, "logprobs": _logprobs(b, body, [msg]),
-                                        "finish_reason": msg.finish_reason or None}]})
+                  head: dict[str, Any], echo: _Echo | None) -> AsyncIterator[str]:
+    finals: list[llm_pb2.GenerateResponse | None] = [None] * (len(reqs) * body.n)
+    started: set[int] = set()
+    async for k, msg in choice_messages(b, reqs, body.n):
+        text = msg.text
+        prefix = None
+        if k not in started:  # the choice's first chunk carries the echoed prompt
+            started.add(k)
+            if echo is not None:
+                text = echo.text(k) + text
+                prefix = echo.token_logprobs(k, [msg])
+        choice = {"index": k, "text": text, "logprobs": _logprobs(b, body, [msg], prefix),
+                  "finish_reason": msg.finish_reason or None}
+        if body.prompt_logprobs is not None and msg.prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprobs_json(b, [msg])
+        yield sse({**head, "choices": [choice]})
         if msg.finish_reason:
-            usages.append(usage(msg.usage))
+            finals[k] = msg
     if body.include_usage_in_stream():
-        yield sse({**head, "choices": [], "usage": sum_usage(usages)})
+        yield sse({**head, "choices": [], "usage": choices_usage(finals, body.n)})
 
 
-def _logprobs(b: Backend, body: CompletionRequest, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, Any] | None:
-    """The legacy completions `logprobs` object (tokens, token_logprobs, top_logprobs)."""
+def _logprobs(b: Backend, body: CompletionRequest, msgs: list[llm_pb2.GenerateResponse],
+              prefix: dict[str, list] | None = None) -> dict[str, Any] | None:
+    """The legacy completions `logprobs` object (tokens, token_logprobs, top_logprobs),
+    after `prefix` (the echoed prompt's)."""
     if body.logprobs is None:
         return None
-    tokens, lps, tops = [], [], []
+    tokens, lps, tops = (list(prefix[k]) for k in ("tokens", "token_logprobs", "top_logprobs")) if prefix else \
+        ([], [], [])
     for m in msgs:
         for lp in m.logprobs:
             tokens.append(b.token_str(lp.token_id))

@@ -180,3 +180,57 @@ async def merge_streams(streams: list[AsyncIterator[llm_pb2.GenerateResponse]]):
     finally:
         for t in tasks:
             t.cancel()
+
+
+# -- choices: what completions and chat share ---------------------------------------
+#
+# A body becomes one GenerateRequest per prompt (completions may batch prompts; chat has
+# one), each with `n` choices that the worker samples from one computed prompt. Choice k
+# of the reply is request k // n, choice k % n (OpenAI's order for a batch with n > 1).
+
+
+async def choice_messages(b: Backend, reqs: list[llm_pb2.GenerateRequest],
+                          n: int) -> AsyncIterator[tuple[int, llm_pb2.GenerateResponse]]:
+    """(choice index, message) of every request's choices, in arrival order."""
+    async for i, msg in merge_streams([b.generate(r) for r in reqs]):
+        yield i * n + msg.index, msg
+
+
+async def collect_choices(b: Backend, reqs: list[llm_pb2.GenerateRequest],
+                          n: int) -> list[list[llm_pb2.GenerateResponse]]:
+    """Every choice's messages, once all have finished."""
+    out: list[list[llm_pb2.GenerateResponse]] = [[] for _ in range(len(reqs) * n)]
+    try:
+        async for k, msg in choice_messages(b, reqs, n):
+            out[k].append(msg)
+    except KVMeshError as e:
+        raise APIError.of(e) from None
+    return out
+
+
+def choices_usage(finals: list[llm_pb2.GenerateResponse | None], n: int,
+                  original_prompt_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI usage of a reply: each prompt counted once (its choices share it), the
+    completion tokens of every choice added up. `finals`: each choice's last message."""
+    per_prompt = [usage(m.usage, original_prompt_tokens) for k, m in enumerate(finals) if m is not None and k % n == 0]
+    total = sum_usage(per_prompt)
+    completion = sum(m.usage.completion_tokens for m in finals if m is not None)
+    total["completion_tokens"] = completion
+    total["total_tokens"] = total["prompt_tokens"] + completion
+    return total
+
+
+def prompt_logprobs_json(b: Backend, msgs: list[llm_pb2.GenerateResponse], prompt_ids: list[int] | None = None
+                         ) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` of a choice: None for the first prompt token, then per
+    token {token id: {logprob, decoded_token}} for it and its top alternatives."""
+    first = next((m for m in msgs if m.prompt_logprobs), None)
+    if first is None:
+        return None
+    out: list[dict[str, Any] | None] = [None]
+    for lp in first.prompt_logprobs:
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "decoded_token": b.token_str(lp.token_id)}}
+        for t in lp.top:
+            entry.setdefault(str(t.token_id), {"logprob": t.logprob, "decoded_token": b.token_str(t.token_id)})
+        out.append(entry)
+    return out

@@ -123,8 +123,10 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int = 1
-    best_of: int | None = None
+    n: Int32 = Field(1, description="Choices per prompt; the prompt is computed once and its KV shared.")
+    best_of: Int32 | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM extension: top-k logprobs of every "
+                                        "prompt token given its prefix (the first has none).")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     compression: dict[str, Any] | None = Field(
@@ -146,12 +148,23 @@ class SamplingFields(BaseModel):
         return data
 
     def check_unsupported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "n must be 1: kvmesh returns one choice per request; send n requests", param="n")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of is not supported; leave it unset", param="best_of")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported; leave it unset", param="logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, f"best_of must be unset or equal to n ({self.n}): kvmesh returns every choice it "
+                                "samples and does not rank extra ones", param="best_of")
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` with its keys (token ids as JSON strings) as integers."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias: key {key!r} is not a token id; map token ids (as strings) to "
+                                    "biases in [-100, 100]", param="logit_bias") from None
+            if not 0 <= token <= 2**31 - 1:
+                raise APIError(400, f"logit_bias: token id {token} is out of range", param="logit_bias")
+            out[token] = bias
+        return out
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -164,7 +177,7 @@ class SamplingFields(BaseModel):
                    "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
                    "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                    "repetition_penalty": self.repetition_penalty, "skip_special_tokens": self.skip_special_tokens,
-                   "logprobs": logprobs}
+                   "logprobs": logprobs, "n": self.n if self.n != 1 else None, "prompt_logprobs": self.prompt_logprobs}
         for name, value in scalars.items():
             if value is not None:
                 setattr(msg, name, value)
@@ -172,6 +185,8 @@ class SamplingFields(BaseModel):
             msg.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
         if self.stop_token_ids:
             msg.stop_token_ids.extend(self.stop_token_ids)
+        if self.logit_bias:
+            msg.logit_bias.update(self.logit_bias_ids())
         return msg
 
 
