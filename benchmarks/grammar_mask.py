@@ -32,10 +32,10 @@ import time
 
 import torch
 
-from _common import RESULTS_DIR, md_table, write_results
-
 from kvmesh.checkpoint.embedded import ensure_embedded_model
 from kvmesh.checkpoint.files import load_tokenizer
+
+from _common import RESULTS_DIR, md_table, write_results
 
 SMALL = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
          "required": ["name", "age"]}

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvmesh/v1/llm.proto\x12\tkvmesh.v1\"\xb6\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x16\n\x14_skip_special_tokens\"\xca\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12+\n\x0b\x63ompression\x18\x06 \x01(\x0b\x32\x16.kvmesh.v1.Compression\x12\x12\n\ncache_salt\x18( \x01(\t\"\x82\x01\n\x0b\x43ompression\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x19\n\x0ctarget_ratio\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\x08question\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0bgranularity\x18\x04 \x01(\tB\x0f\n\r_target_ratioB\x0b\n\t_question\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\"w\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x1e\n\x16original_prompt_tokens\x18\x04 \x01(\x05\"\xbf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.kvmesh.v1.Usage\".\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x13\n\x11ListModelsRequest\"W\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo\"a\n\x12\x43\x61\x63hePromptRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x05\x12\x0c\n\x04name\x18\x04 \x01(\t\";\n\x13\x43\x61\x63hePromptResponse\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"(\n\x14UncachePromptRequest\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\"\x17\n\x15UncachePromptResponse2\xfe\x02\n\x03LLM\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\x12L\n\x0b\x43\x61\x63hePrompt\x12\x1d.kvmesh.v1.CachePromptRequest\x1a\x1e.kvmesh.v1.CachePromptResponse\x12R\n\rUncachePrompt\x12\x1f.kvmesh.v1.UncachePromptRequest\x1a .kvmesh.v1.UncachePromptResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvmesh/v1/llm.proto\x12\tkvmesh.v1\"\xf0\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\n\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x10 \x01(\x0b\x32\x1c.kvmesh.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x16\n\x14_skip_special_tokens\"\xbc\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12-\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1b.kvmesh.v1.StructuredChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"#\n\x10StructuredChoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xca\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12+\n\x0b\x63ompression\x18\x06 \x01(\x0b\x32\x16.kvmesh.v1.Compression\x12\x12\n\ncache_salt\x18( \x01(\t\"\x82\x01\n\x0b\x43ompression\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x19\n\x0ctarget_ratio\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\x08question\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0bgranularity\x18\x04 \x01(\tB\x0f\n\r_target_ratioB\x0b\n\t_question\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\"w\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x1e\n\x16original_prompt_tokens\x18\x04 \x01(\x05\"\xbf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.kvmesh.v1.Usage\".\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x13\n\x11ListModelsRequest\"W\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo\"a\n\x12\x43\x61\x63hePromptRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x05\x12\x0c\n\x04name\x18\x04 \x01(\t\";\n\x13\x43\x61\x63hePromptResponse\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"(\n\x14UncachePromptRequest\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\"\x17\n\x15UncachePromptResponse2\xfe\x02\n\x03LLM\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\x12L\n\x0b\x43\x61\x63hePrompt\x12\x1d.kvmesh.v1.CachePromptRequest\x1a\x1e.kvmesh.v1.CachePromptResponse\x12R\n\rUncachePrompt\x12\x1f.kvmesh.v1.UncachePromptRequest\x1a .kvmesh.v1.UncachePromptResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,37 +32,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.llm_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=35
-  _globals['_SAMPLINGPARAMS']._serialized_end=601
-  _globals['_GENERATEREQUEST']._serialized_start=604
-  _globals['_GENERATEREQUEST']._serialized_end=806
-  _globals['_COMPRESSION']._serialized_start=809
-  _globals['_COMPRESSION']._serialized_end=939
-  _globals['_TOPLOGPROB']._serialized_start=941
-  _globals['_TOPLOGPROB']._serialized_end=988
-  _globals['_TOKENLOGPROB']._serialized_start=990
-  _globals['_TOKENLOGPROB']._serialized_end=1075
-  _globals['_USAGE']._serialized_start=1077
-  _globals['_USAGE']._serialized_end=1196
-  _globals['_GENERATERESPONSE']._serialized_start=1199
-  _globals['_GENERATERESPONSE']._serialized_end=1390
-  _globals['_TOKENIZEREQUEST']._serialized_start=1392
-  _globals['_TOKENIZEREQUEST']._serialized_end=1438
-  _globals['_TOKENIZERESPONSE']._serialized_start=1440
-  _globals['_TOKENIZERESPONSE']._serialized_end=1477
-  _globals['_LISTMODELSREQUEST']._serialized_start=1479
-  _globals['_LISTMODELSREQUEST']._serialized_end=1498
-  _globals['_MODELINFO']._serialized_start=1500
-  _globals['_MODELINFO']._serialized_end=1587
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1589
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1647
-  _globals['_CACHEPROMPTREQUEST']._serialized_start=1649
-  _globals['_CACHEPROMPTREQUEST']._serialized_end=1746
-  _globals['_CACHEPROMPTRESPONSE']._serialized_start=1748
-  _globals['_CACHEPROMPTRESPONSE']._serialized_end=1807
-  _globals['_UNCACHEPROMPTREQUEST']._serialized_start=1809
-  _globals['_UNCACHEPROMPTREQUEST']._serialized_end=1849
-  _globals['_UNCACHEPROMPTRESPONSE']._serialized_start=1851
-  _globals['_UNCACHEPROMPTRESPONSE']._serialized_end=1874
-  _globals['_LLM']._serialized_start=1877
-  _globals['_LLM']._serialized_end=2259
+  _globals['_SAMPLINGPARAMS']._serialized_end=659
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=662
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=850
+  _globals['_STRUCTUREDCHOICE']._serialized_start=852
+  _globals['_STRUCTUREDCHOICE']._serialized_end=887
+  _globals['_GENERATEREQUEST']._serialized_start=890
+  _globals['_GENERATEREQUEST']._serialized_end=1092
+  _globals['_COMPRESSION']._serialized_start=1095
+  _globals['_COMPRESSION']._serialized_end=1225
+  _globals['_TOPLOGPROB']._serialized_start=1227
+  _globals['_TOPLOGPROB']._serialized_end=1274
+  _globals['_TOKENLOGPROB']._serialized_start=1276
+  _globals['_TOKENLOGPROB']._serialized_end=1361
+  _globals['_USAGE']._serialized_start=1363
+  _globals['_USAGE']._serialized_end=1482
+  _globals['_GENERATERESPONSE']._serialized_start=1485
+  _globals['_GENERATERESPONSE']._serialized_end=1676
+  _globals['_TOKENIZEREQUEST']._serialized_start=1678
+  _globals['_TOKENIZEREQUEST']._serialized_end=1724
+  _globals['_TOKENIZERESPONSE']._serialized_start=1726
+  _globals['_TOKENIZERESPONSE']._serialized_end=1763
+  _globals['_LISTMODELSREQUEST']._serialized_start=1765
+  _globals['_LISTMODELSREQUEST']._serialized_end=1784
+  _globals['_MODELINFO']._serialized_start=1786
+  _globals['_MODELINFO']._serialized_end=1873
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1875
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1933
+  _globals['_CACHEPROMPTREQUEST']._serialized_start=1935
+  _globals['_CACHEPROMPTREQUEST']._serialized_end=2032
+  _globals['_CACHEPROMPTRESPONSE']._serialized_start=2034
+  _globals['_CACHEPROMPTRESPONSE']._serialized_end=2093
+  _globals['_UNCACHEPROMPTREQUEST']._serialized_start=2095
+  _globals['_UNCACHEPROMPTREQUEST']._serialized_end=2135
+  _globals['_UNCACHEPROMPTRESPONSE']._serialized_start=2137
+  _globals['_UNCACHEPROMPTRESPONSE']._serialized_end=2160
+  _globals['_LLM']._serialized_start=2163
+  _globals['_LLM']._serialized_end=2545
 # @@protoc_insertion_point(module_scope)

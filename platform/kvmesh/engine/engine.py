@@ -170,6 +170,8 @@ class LLMEngine:
         self.validate_prompt_ids(ids)
         if hold_kv:
             self._check_held_fits(len(ids), params.max_tokens)
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params)
         req = Request(request_id, ids, params, self.eos_token_id, prompt=text, arrival_time=arrival_time,
                       eos_token_ids=self.eos_token_ids)
         req.hold_kv = hold_kv
@@ -179,6 +181,12 @@ class LLMEngine:
             [] if params.logprobs is not None else None, original_prompt_tokens=original_prompt_tokens,
         )
         return request_id
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        check = getattr(self.executor, "check_structured_outputs", None)
+        if check is None:
+            raise InvalidRequestError("structured_outputs", "not supported by this engine's executor")
+        check(params.structured_outputs)
 
     def _check_held_fits(self, num_prompt: int, max_tokens: int) -> None:
         """A request that holds its KV keeps every block, even past a sliding window (whose

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvmesh.engine.hashing import MAX_CACHE_SALT_CHARS
+from kvmesh.engine.structured_outputs import StructuredOutputsParams
 from kvmesh.errors import InvalidRequestError
 
 # How many top logprobs a request may ask for per generated token.
@@ -54,8 +55,16 @@ class SamplingParams:
     # Prefix-cache isolation (vLLM's `cache_salt`): KV is reused only between requests with
     # the same salt (engine/hashing.py). Carried here so it travels with the request.
     cache_salt: str = ""
+    # The output must match a JSON schema / regex / choice / grammar (engine/structured_outputs.py);
+    # a dict is read as StructuredOutputsParams(**dict).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:  # an unknown key
+                raise InvalidRequestError("structured_outputs", str(exc)) from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -101,6 +110,19 @@ class SamplingParams:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise bad("cache_salt", f"must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
+        self._validate_structured_outputs()
+
+    def _validate_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise InvalidRequestError("structured_outputs",
+                                      f"must be StructuredOutputsParams, got {type(so).__name__}")
+        if self.ignore_eos:
+            # A finished grammar ends the request by allowing only EOS (engine/structured_outputs.py).
+            raise InvalidRequestError("ignore_eos", "cannot be combined with structured_outputs: the request ends "
+                                                    "with EOS when its output is complete; leave ignore_eos unset")
 
     @property
     def greedy(self) -> bool:
