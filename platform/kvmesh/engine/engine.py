@@ -280,10 +280,11 @@ class LLMEngine:
                 self.spec_counters["proposed"] += len(seq.spec_token_ids)
                 self.spec_counters["accepted"] += len(runner_out.sampled_token_ids[seq.request_id]) - 1
                 self.spec_counters["verify_steps"] += 1
+        for res in results:  # draft state and grammar matchers go now, not at the next step
+            if res.finished and (self.executor.proposer_method is not None
+                                 or res.request.sampling_params.structured_outputs is not None):
+                self.executor.forget(res.request.request_id)
         if self.executor.proposer_method is not None:
-            for res in results:
-                if res.finished:
-                    self.executor.forget(res.request.request_id)
             self._propose()
         if self.kv_connector is not None and sched.seqs:
             live = dict(self.scheduler.requests)
