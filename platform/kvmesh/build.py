@@ -40,6 +40,7 @@ from kvmesh.worker.kv_transfer import PulledKVLoader
 from kvmesh.worker.model_runner import DTYPES, KVCacheSpec, ModelRunner
 from kvmesh.worker.server import WorkerServer, WorkerServerConfig
 from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
+from kvmesh.worker.structured import GrammarCompiler, GrammarMasks
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +103,12 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
                "quantization": quantization_id(path, mc.quantization, mc.quantization_group_size)}
     )
     graph_batch = min(config.cuda_graph_max_batch_size, config.scheduler.max_num_seqs) if config.cuda_graphs else 0
+    eos_ids = _eos_token_ids(path, tokenizer, arch)
+    # Structured outputs: grammars over this tokenizer, EOS as their stop tokens (worker/structured.py).
+    grammar = GrammarMasks(GrammarCompiler(tokenizer, arch.vocab_size, eos_ids))
     runner = ModelRunner(model, arch, cc.block_size, num_blocks, device, seed=mc.seed,
                          attention_backend=config.attention_backend, cuda_graph_max_batch=graph_batch,
-                         max_model_len=max_model_len, kernels=config.kernels)
+                         max_model_len=max_model_len, kernels=config.kernels, grammar=grammar)
     proposer = None
     if config.speculative is not None:
         proposer = _build_proposer(config, config.speculative, path, model, arch, max_model_len, num_blocks)
@@ -116,7 +120,7 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
         connector = StoreConnector(create_store(config.kv_store), codec, runner, config.kv_store_ttl_s)
     info = ModelInfo(path=str(path), fingerprint=fingerprint, vocab_size=arch.vocab_size,
                      max_model_len=max_model_len, eos_token_id=_eos_token_id(tokenizer, arch),
-                     eos_token_ids=_eos_token_ids(path, tokenizer, arch), kv_window=arch.kv_window)
+                     eos_token_ids=eos_ids, kv_window=arch.kv_window)
     logger.info("kvmesh engine: %s, %d KV blocks x %d tokens, max_model_len %d",
                 path, num_blocks, cc.block_size, max_model_len)
     return EngineParts(config, tokenizer, info, arch, Executor(runner, proposer), connector)

@@ -185,6 +185,8 @@ class LLMEngine:
         self.validate_params(params, hold_kv)
         if hold_kv:
             self._check_held_fits(len(ids), params.max_tokens)
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params)
         rids = [choice_request_id(request_id, i) for i in range(params.n)]
         if any(r in self._states for r in rids[1:]):
             raise InvalidRequestError("request_id", f"{request_id!r} clashes with a choice of another request")
@@ -214,6 +216,12 @@ class LLMEngine:
         if params.n > self.scheduler.max_num_seqs:
             raise InvalidRequestError("n", f"{params.n} choices exceed this engine's batch of max_num_seqs="
                                            f"{self.scheduler.max_num_seqs}; ask for fewer")
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        check = getattr(self.executor, "check_structured_outputs", None)
+        if check is None:
+            raise InvalidRequestError("structured_outputs", "not supported by this engine's executor")
+        check(params.structured_outputs)
 
     def _check_held_fits(self, num_prompt: int, max_tokens: int) -> None:
         """A request that holds its KV keeps every block, even past a sliding window (whose
@@ -316,10 +324,11 @@ class LLMEngine:
                 self.spec_counters["proposed"] += len(seq.spec_token_ids)
                 self.spec_counters["accepted"] += len(runner_out.sampled_token_ids[seq.request_id]) - 1
                 self.spec_counters["verify_steps"] += 1
+        for res in results:  # draft state and grammar matchers go now, not at the next step
+            if res.finished and (self.executor.proposer_method is not None
+                                 or res.request.sampling_params.structured_outputs is not None):
+                self.executor.forget(res.request.request_id)
         if self.executor.proposer_method is not None:
-            for res in results:
-                if res.finished:
-                    self.executor.forget(res.request.request_id)
             self._propose()
         if self.kv_connector is not None and sched.seqs:
             live = dict(self.scheduler.requests)

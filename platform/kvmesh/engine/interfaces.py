@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from kvmesh.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from kvmesh.engine.request import Request
+from kvmesh.engine.structured_outputs import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,12 @@ class ModelExecutor(Protocol):
         ...
 
     def forget(self, request_id: str) -> None:
-        """Drop per-request state (draft state, generators) of a finished request."""
+        """Drop per-request state (draft state, generators, grammar matchers) of a finished request."""
+        ...
+
+    def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+        """Raise InvalidRequestError when `spec` cannot be compiled (called at admission, so
+        the steps only ever meet compiled specs). Optional: an executor without it refuses specs."""
         ...
 
     def read_blocks(self, block_ids: list[int]) -> Any:

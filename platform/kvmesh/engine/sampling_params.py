@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kvmesh.engine.hashing import MAX_CACHE_SALT_CHARS
+from kvmesh.engine.structured_outputs import StructuredOutputsParams
 from kvmesh.errors import InvalidRequestError
 
 # How many top logprobs a request may ask for per generated token.
@@ -66,8 +67,16 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Top-k logprobs of every prompt token given its prefix (vLLM's prompt_logprobs, 0..20).
     prompt_logprobs: int | None = None
+    # The output must match a JSON schema / regex / choice / grammar (engine/structured_outputs.py);
+    # a dict is read as StructuredOutputsParams(**dict).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:  # an unknown key
+                raise InvalidRequestError("structured_outputs", str(exc)) from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -116,6 +125,7 @@ class SamplingParams:
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise bad("cache_salt", f"must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
         self._validate_sampling_surface()
+        self._validate_structured_outputs()
 
     def _validate_sampling_surface(self) -> None:
         """n / best_of / logit_bias / prompt_logprobs."""
@@ -134,6 +144,18 @@ class SamplingParams:
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError("prompt_logprobs", f"must be between 0 and {MAX_LOGPROBS}, "
                                                          f"got {self.prompt_logprobs!r}")
+
+    def _validate_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise InvalidRequestError("structured_outputs",
+                                      f"must be StructuredOutputsParams, got {type(so).__name__}")
+        if self.ignore_eos:
+            # A finished grammar ends the request by allowing only EOS (engine/structured_outputs.py).
+            raise InvalidRequestError("ignore_eos", "cannot be combined with structured_outputs: the request ends "
+                                                    "with EOS when its output is complete; leave ignore_eos unset")
 
     @property
     def greedy(self) -> bool:

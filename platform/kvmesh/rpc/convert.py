@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from kvmesh._proto import llm_pb2
 from kvmesh.engine.outputs import RequestOutput, TokenLogprobs
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.structured_outputs import StructuredOutputsParams
 from kvmesh.errors import InvalidRequestError
 
 
@@ -38,7 +39,35 @@ def params_from_proto(msg: llm_pb2.SamplingParams) -> SamplingParams:
     )
     if msg.logit_bias:
         kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_from_proto(msg.structured_outputs)
     return SamplingParams(**kwargs)
+
+
+def structured_from_proto(msg: llm_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    """Validated StructuredOutputsParams (InvalidRequestError naming structured_outputs.*)."""
+    kind = msg.WhichOneof("kind")
+    kwargs: dict = {"disable_any_whitespace": msg.disable_any_whitespace}
+    if kind == "json_schema":
+        kwargs["json"] = msg.json_schema
+    elif kind == "choice":
+        kwargs["choice"] = list(msg.choice.choices)
+    elif kind is not None:
+        kwargs[kind] = getattr(msg, kind)
+    return StructuredOutputsParams(**kwargs)
+
+
+def structured_to_proto(so: StructuredOutputsParams) -> llm_pb2.StructuredOutputs:
+    """The wire form (prefilled_output_ids stay in-process: a decode worker sets them)."""
+    msg = llm_pb2.StructuredOutputs(disable_any_whitespace=so.disable_any_whitespace)
+    kind = so.kind
+    if kind == "json":
+        msg.json_schema = so.spec_text
+    elif kind == "choice":
+        msg.choice.choices.extend(so.choice)
+    else:
+        setattr(msg, kind, getattr(so, kind))
+    return msg
 
 
 def params_to_proto(p: SamplingParams) -> llm_pb2.SamplingParams:
@@ -52,6 +81,8 @@ def params_to_proto(p: SamplingParams) -> llm_pb2.SamplingParams:
             setattr(msg, name, value)
     if p.logit_bias:
         msg.logit_bias.update(p.logit_bias)
+    if p.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_to_proto(p.structured_outputs))
     return msg
 
 

@@ -11,6 +11,8 @@ import torch
 
 from kvmesh.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from kvmesh.engine.request import Request
+from kvmesh.engine.structured_outputs import StructuredOutputsParams
+from kvmesh.errors import InvalidRequestError
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
 
@@ -43,8 +45,15 @@ class Executor:
             self._draft_probs[rid] = prop.probs
         return out
 
+    def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+        """Compile the spec now (cached for the steps): InvalidRequestError if it cannot be."""
+        if self.runner.grammar is None:
+            raise InvalidRequestError("structured_outputs", "this worker was built without a grammar engine")
+        self.runner.grammar.compiler.compile(spec)
+
     def forget(self, request_id: str) -> None:
         self._draft_probs.pop(request_id, None)
+        self.runner.forget(request_id)
         if self.proposer is not None:
             self.proposer.forget(request_id)
 

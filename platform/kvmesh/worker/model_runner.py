@@ -24,6 +24,7 @@ from kvmesh.worker.kv_memory import populate_in_background, zeroed_tensor
 from kvmesh.worker.prompt_logprobs import compute_prompt_logprobs
 from kvmesh.worker.sampler import sample
 from kvmesh.worker.spec_decode import verify
+from kvmesh.worker.structured import GrammarMasks
 
 # EngineConfig.model.dtype -> torch dtype
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,9 +49,11 @@ class ModelRunner:
     def __init__(self, model, arch: ArchConfig, block_size: int, num_blocks: int,
                  device: torch.device, seed: int = 0, attention_backend: str = "auto",
                  cuda_graph_max_batch: int = 0, max_model_len: int = 0, graph_recorder: GraphRecorder | None = None,
-                 kernels: KernelConfig | None = None):
+                 kernels: KernelConfig | None = None, grammar: GrammarMasks | None = None):
         """`cuda_graph_max_batch` > 0 captures decode graphs up to that batch (CUDA, or any
-        device with a `graph_recorder`, for tests); `max_model_len` bounds their contexts."""
+        device with a `graph_recorder`, for tests); `max_model_len` bounds their contexts.
+        `grammar` masks the logits of requests with structured outputs (worker/structured.py);
+        None ignores their specs (a draft model's runner: its drafts are checked by the target)."""
         self.model = model
         prepack_linears(model)  # oneDNN's weight layout now, not on the first long prompt
         self.arch = arch
@@ -70,6 +73,7 @@ class ModelRunner:
         self.backend = get_attention_backend(attention_backend, block_size, device, kernels)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._req_generators: dict[str, torch.Generator] = {}
+        self.grammar = grammar
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_batch and (device.type == "cuda" or graph_recorder is not None):
             self._capture_graphs(cuda_graph_max_batch, max_model_len, graph_recorder)
@@ -97,6 +101,8 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self._req_generators.pop(request_id, None)
+        if self.grammar is not None:
+            self.grammar.forget(request_id)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, return_logits: bool = False, return_probs: bool = False,
@@ -106,7 +112,7 @@ class ModelRunner:
         distributions sampling rows were drawn from (draft models). Sequences with
         spec_token_ids are verified (see spec_decode.verify) with `draft_probs`."""
         for rid in sched.finished_req_ids:
-            self._req_generators.pop(rid, None)
+            self.forget(rid)
         if sched.is_empty:
             return ModelRunnerOutput({}, logits={} if return_logits else None)
         # Decodes first: the backend batches them as one attention call.
@@ -119,6 +125,11 @@ class ModelRunner:
             ids.extend(s.token_ids)
             pos.append(np.arange(s.start_pos, s.start_pos + s.num_tokens))
             q_start += s.num_tokens
+        sampling = [(i, s) for i, s in enumerate(seqs) if s.sample and not s.spec_token_ids]
+        speculating = [(i, s) for i, s in enumerate(seqs) if s.sample and s.spec_token_ids]
+        # The grammar masks are filled on their own thread while the forward pass runs.
+        masks = None if self.grammar is None else self.grammar.start([s for _, s in speculating],
+                                                                     [s for _, s in sampling])
         if self.graphs is not None and self.graphs.can_run(spans, num_decodes):
             hidden = self.graphs.run(spans, ids)
         else:
@@ -126,8 +137,6 @@ class ModelRunner:
             positions = torch.from_numpy(np.concatenate(pos)).to(self.device)
             meta = self.backend.build_metadata(spans, num_decodes)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        sampling = [(i, s) for i, s in enumerate(seqs) if s.sample and not s.spec_token_ids]
-        speculating = [(i, s) for i, s in enumerate(seqs) if s.sample and s.spec_token_ids]
         out = ModelRunnerOutput({}, logits={} if return_logits else None)
         if any(s.sampling_params.prompt_logprobs is not None for s in seqs):
             out.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, spans, seqs)
@@ -136,6 +145,8 @@ class ModelRunner:
             idx = torch.cat([torch.arange(spans[i].q_start + spans[i].q_len - len(s.spec_token_ids) - 1,
                                           spans[i].q_start + spans[i].q_len) for i, s in speculating])
             spec_logits = self.model.compute_logits(hidden[idx.to(self.device)])
+            if masks is not None:
+                masks.apply_spec(spec_logits)
             row = 0
             for _, s in speculating:
                 k = len(s.spec_token_ids)
@@ -148,6 +159,8 @@ class ModelRunner:
         last = torch.tensor([spans[i].q_start + spans[i].q_len - 1 for i, _ in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[last])
         raw = logits.clone() if return_logits else None
+        if masks is not None:
+            masks.apply_sample(logits)
         rows = [s for _, s in sampling]
         tokens, logprobs, probs = sample(
             logits,

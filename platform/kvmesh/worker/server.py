@@ -299,6 +299,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if request.transfer_id and request.source_address:
                     await self._pull(request, engine_id, context, span)
                 rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1)
+                if params.structured_outputs is not None:  # the grammar goes on from prefill's first token
+                    rest.structured_outputs = dataclasses.replace(
+                        params.structured_outputs, prefilled_output_ids=(request.first_token_id,))
                 async for msg in self._stream(prompt, rest, rid, engine_id, span):
                     yield msg
             except grpc.aio.AbortError:

@@ -46,7 +46,7 @@ from kvmesh.serve.openai.generation import (
     usage,
 )
 from kvmesh.serve.openai.limits import check_prompt_chars, limits_of, until_disconnected
-from kvmesh.serve.openai.protocol import APIError, ChatMessage, ChatRequest
+from kvmesh.serve.openai.protocol import APIError, ChatMessage, ChatRequest, structured_outputs_for_schema
 
 
 # POST /v1/chat/completions, registered by create_app. No docstring: FastAPI would publish it in the
@@ -147,12 +147,14 @@ def _output_spec(b: Backend, body: ChatRequest, cfg: ChatConfig, tools: ToolSet 
 
 
 def constrain_to_schema(params: llm_pb2.SamplingParams, schema: dict[str, Any]) -> bool:
-    """Hold the output to `schema` with the grammar engine (tool_choice required / named);
-    returns whether it is held. This is the merge point with structured outputs
-    (SamplingParams.structured_outputs, field 16, built from a JSON-schema dict by
-    protocol.py). Until it is wired, it returns False: required / named replies are then
-    read with the format parser, the prompt asking for the call without enforcing it."""
-    return False
+    """Hold the output to `schema` with the grammar engine (tool_choice required / named),
+    so the call always parses; returns whether it is held (a request's own
+    response_format / structured_outputs conflicts with it: a 400)."""
+    if params.HasField("structured_outputs"):
+        raise APIError(400, "tool_choice required / a named function constrains the reply to the call; drop "
+                            "response_format / structured_outputs, or use tool_choice auto", param="tool_choice")
+    params.structured_outputs.CopyFrom(structured_outputs_for_schema(schema))
+    return True
 
 
 def _logprobs(b: Backend, body: ChatRequest, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, Any] | None:

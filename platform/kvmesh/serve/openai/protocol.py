@@ -15,6 +15,7 @@ text-only chat content parts whose `text` is a string.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Annotated, Any, Literal
 
@@ -135,6 +136,14 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = Field(
         None, max_length=256, description="Prefix-cache isolation (as vLLM): cached KV is reused only between "
         "requests with the same salt (within the caller's API key); `cached_tokens` counts only those hits.")
+    # Structured outputs (see structured_outputs_proto): OpenAI's response_format, vLLM's guided_*
+    # and its newer structured_outputs {json, regex, choice, grammar, json_object}; at most one.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -187,7 +196,29 @@ class SamplingFields(BaseModel):
             msg.stop_token_ids.extend(self.stop_token_ids)
         if self.logit_bias:
             msg.logit_bias.update(self.logit_bias_ids())
+        so = self.structured_outputs_proto()
+        if so is not None:
+            msg.structured_outputs.CopyFrom(so)
         return msg
+
+    def structured_outputs_proto(self) -> llm_pb2.StructuredOutputs | None:
+        """The one output constraint the body asks for, or None; a 400 naming the field when
+        more than one is given or one is malformed (the worker's grammar engine judges the rest)."""
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                   "structured_outputs") if getattr(self, name) is not None]
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise APIError(400, f"give at most one output constraint; got {', '.join(given)}", param=given[1])
+        if not given:
+            return None
+        name = given[0]
+        if name == "response_format":
+            return _response_format_proto(rf)
+        if name == "structured_outputs":
+            return _vllm_structured_proto(self.structured_outputs)
+        return _vllm_structured_proto({name.removeprefix("guided_"): getattr(self, name)}, param=name)
 
 
 class CompletionRequest(SamplingFields):
@@ -283,5 +314,59 @@ class ChatRequest(SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {type: text} is supported", param="response_format")
+
+
+def structured_outputs_for_schema(schema: dict[str, Any] | bool | str,
+                                  disable_any_whitespace: bool = False) -> llm_pb2.StructuredOutputs:
+    """The proto constraint "the output is JSON valid against `schema`" (e.g. tool_choice=required)."""
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    return llm_pb2.StructuredOutputs(json_schema=text, disable_any_whitespace=disable_any_whitespace)
+
+
+def _response_format_proto(rf: dict[str, Any]) -> llm_pb2.StructuredOutputs:
+    """OpenAI's response_format {type: json_object} / {type: json_schema, json_schema: {name, schema, strict}}."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return llm_pb2.StructuredOutputs(json_object=True)
+    if kind != "json_schema":
+        raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                       param="response_format")
+    js = rf.get("json_schema")
+    schema = js.get("schema") if isinstance(js, dict) else None
+    if not isinstance(schema, (dict, bool)):
+        raise APIError(400, "response_format.json_schema.schema must be a JSON schema object "
+                       "({type: json_schema, json_schema: {name, schema, strict}})", param="response_format")
+    return structured_outputs_for_schema(schema)
+
+
+_VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _vllm_structured_proto(so: dict[str, Any], param: str = "structured_outputs") -> llm_pb2.StructuredOutputs:
+    """vLLM's structured_outputs {json | regex | choice | grammar | json_object, disable_any_whitespace}."""
+    kinds = [k for k in _VLLM_KINDS if so.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise APIError(400, f"{param} needs exactly one of {', '.join(_VLLM_KINDS)}; got "
+                       f"{', '.join(kinds) or 'none'}", param=param)
+    kind, value = kinds[0], so[kinds[0]]
+    ws = so.get("disable_any_whitespace", False)
+    if not isinstance(ws, bool):
+        raise APIError(400, f"{param}.disable_any_whitespace must be true or false", param=param)
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise APIError(400, f"{param}: the JSON schema is not valid JSON: {exc}", param=param) from None
+        if not isinstance(value, (dict, bool)):
+            raise APIError(400, f"{param}: a JSON schema must be an object", param=param)
+        return structured_outputs_for_schema(value, ws)
+    if kind == "json_object":
+        return llm_pb2.StructuredOutputs(json_object=True, disable_any_whitespace=ws)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise APIError(400, f"{param}: choice must be a non-empty list of non-empty strings", param=param)
+        return llm_pb2.StructuredOutputs(choice=llm_pb2.StructuredChoice(choices=value), disable_any_whitespace=ws)
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"{param}: {kind} must be a non-empty string", param=param)
+    return llm_pb2.StructuredOutputs(**{kind: value}, disable_any_whitespace=ws)
