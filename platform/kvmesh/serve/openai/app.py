@@ -1,6 +1,6 @@
 """The OpenAI-compatible FastAPI app: `create_app(get_backend, metrics)` assembles the
-routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/tokenize`, `/detokenize`,
-`/health`, `/metrics`),
+routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/tokenize`,
+`/detokenize`, `/health`, `/metrics`),
 the OpenAI-shaped error handlers (bad bodies become a 400 naming the field) and, when
 `KVMESH_API_KEY` is set, the bearer-key check on `/v1/*`. Every error is OpenAI-shaped,
 FastAPI's own 404 / 405 / body errors and unexpected exceptions included; request
@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvmesh.chat import ChatConfig
 from kvmesh.errors import KVMeshError
 from kvmesh.rpc.auth import ApiKeys
-from kvmesh.serve.openai import chat, completions, tokenize
+from kvmesh.serve.openai import chat, completions, responses, tokenize
 from kvmesh.serve.openai.backend import CLIENT_AUTHORIZATION, Backend
 from kvmesh.serve.openai.generation import BackendSource
 from kvmesh.serve.openai.limits import BodySizeLimit, HTTPLimits, body_too_large_cause, too_large
@@ -65,6 +65,7 @@ def create_app(get_backend: Callable[[], Backend | None], metrics: MetricsRender
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/responses", responses.responses, methods=["POST"])
     app.add_api_route("/tokenize", tokenize.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", tokenize.detokenize, methods=["POST"])
     return app

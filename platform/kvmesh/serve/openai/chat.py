@@ -17,6 +17,10 @@ system prompt when it ignores them); the reply is read by the server's tool-call
 deltas, and by the reasoning parser (`--reasoning-parser`) into `reasoning_content`
 (kvmesh.chat.output.ChatOutput, one reader for both, so a stream reassembles to the
 whole message). A reply with calls ends with finish_reason `tool_calls`.
+
+`prepare_chat` (body -> `ChatGeneration`) and `ChoiceReader` / `parsed_deltas` (one
+choice's router messages -> parsed deltas) are the chat generation path; this route and
+`/v1/responses` (responses.py) only render them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -49,10 +54,25 @@ from kvmesh.serve.openai.limits import check_prompt_chars, limits_of, until_disc
 from kvmesh.serve.openai.protocol import APIError, ChatMessage, ChatRequest, structured_outputs_for_schema
 
 
-# POST /v1/chat/completions, registered by create_app. No docstring: FastAPI would publish it in the
-# OpenAPI schema.
-async def chat_completions(body: ChatRequest, request: Request):
-    b = BackendSource.of(request).require()
+@dataclass
+class ChatGeneration:
+    """A validated chat body as the router sees it: the served model, the templated prompt's
+    token ids, the sampling params and how the reply is read. `/v1/chat/completions` and
+    `/v1/responses` both start from it (one templating, tools and sampling path)."""
+
+    model: str
+    ids: list[int]
+    params: llm_pb2.SamplingParams
+    spec: ChatOutputSpec
+    original_tokens: int | None  # the prompt's length before compression (None: not compressed)
+
+    def request(self, rid: str, body: ChatRequest) -> llm_pb2.GenerateRequest:
+        return build_request(rid, self.ids, self.params, body)
+
+
+async def prepare_chat(b: Backend, body: ChatRequest, request: Request) -> ChatGeneration:
+    """Check `body` and build its generation: tools, template, compression, max_tokens
+    default; a 400 naming the field when something is wrong."""
     body.check_unsupported()
     model = check_model(b, body.model)
     if body.max_completion_tokens is not None and body.max_tokens is None:
@@ -75,43 +95,89 @@ async def chat_completions(body: ChatRequest, request: Request):
         context = await b.max_model_len()
         params.max_tokens = max(1, context - len(ids)) if context else 2**31 - 1
     spec = _output_spec(b, body, cfg, tools, ids, params)
+    return ChatGeneration(model, ids, params, spec, original_tokens)
+
+
+@dataclass
+class ParsedDelta:
+    """One step of a reply as the parsers read it: the OpenAI delta (`reasoning_content`,
+    `content`, `tool_calls` fragments; {} while text is held back), the router message it
+    came from (None for what is flushed when a stream ends without a finish reason) and
+    the chat finish reason (`tool_calls` when the reply made calls)."""
+
+    delta: dict[str, Any]
+    msg: llm_pb2.GenerateResponse | None
+    finish_reason: str | None
+
+
+class ChoiceReader:
+    """One choice's reply, read message by message: `read` each router message as it
+    arrives (several choices' messages may interleave), then `end` once its stream is over."""
+
+    def __init__(self, spec: ChatOutputSpec):
+        self.out = ChatOutput(spec)
+
+    def read(self, msg: llm_pb2.GenerateResponse) -> ParsedDelta:
+        delta = self.out.feed(msg.text)
+        if msg.finish_reason:  # the reply ends: what the parsers held back goes with it
+            delta = merge_deltas([delta, self.out.finish()])
+        return ParsedDelta(delta, msg, self.out.finish_reason(msg.finish_reason or None))
+
+    def end(self) -> ParsedDelta | None:
+        """What the parsers still hold when a stream ended without a finish reason."""
+        if not self.out.finished and (rest := self.out.finish()):
+            return ParsedDelta(rest, None, None)
+        return None
+
+
+async def parsed_deltas(stream: AsyncIterator[llm_pb2.GenerateResponse],
+                        spec: ChatOutputSpec) -> AsyncIterator[ParsedDelta]:
+    """One choice's stream of router messages as parsed deltas (one per message, then
+    the held-back rest if the stream ended without a finish reason)."""
+    reader = ChoiceReader(spec)
+    async for msg in stream:
+        yield reader.read(msg)
+    if (rest := reader.end()) is not None:
+        yield rest
+
+
+# POST /v1/chat/completions, registered by create_app. No docstring: FastAPI would publish it in the
+# OpenAPI schema.
+async def chat_completions(body: ChatRequest, request: Request):
+    b = BackendSource.of(request).require()
+    gen = await prepare_chat(b, body, request)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
-    head = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model}
-    req = build_request(cid, ids, params, body)
+    head = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": gen.model}
+    req = gen.request(cid, body)
     if not body.stream:
-        return await until_disconnected(request, _complete(b, body, req, head, original_tokens, spec))
-    return await stream_response(_events(b, body, req, {**head, "object": "chat.completion.chunk"}, original_tokens,
-                                         spec), preamble=1)
+        return await until_disconnected(request, _complete(b, body, req, head, gen))
+    return await stream_response(_events(b, body, req, {**head, "object": "chat.completion.chunk"}, gen),
+                                 preamble=1)
 
 
 async def _complete(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],
-                    original_tokens: int | None, spec: ChatOutputSpec) -> dict[str, Any]:
+                    gen: ChatGeneration) -> dict[str, Any]:
     text, msgs = await collect(b, req)
     last = msgs[-1] if msgs else llm_pb2.GenerateResponse()
-    out = ChatOutput(spec)
+    out = ChatOutput(gen.spec)
     message = out.message(text)
-    return {**head, "choices": [{"index": 0, "message": message, "logprobs": _logprobs(b, body, msgs),
+    return {**head, "choices": [{"index": 0, "message": message, "logprobs": logprobs_of(b, body, msgs),
                                  "finish_reason": out.finish_reason(last.finish_reason or None)}],
-            "usage": usage(last.usage, original_tokens)}
+            "usage": usage(last.usage, gen.original_tokens)}
 
 
 async def _events(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],
-                  original_tokens: int | None, spec: ChatOutputSpec) -> AsyncIterator[str]:
+                  gen: ChatGeneration) -> AsyncIterator[str]:
     yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]})
     last = None
-    out = ChatOutput(spec)
-    async for msg in b.generate(req):
-        last = msg
-        delta = out.feed(msg.text)
-        if msg.finish_reason:  # the reply ends: what the parsers held back goes with it
-            delta = merge_deltas([delta, out.finish()])
-        yield sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": _logprobs(b, body, [msg]),
-                                        "finish_reason": out.finish_reason(msg.finish_reason or None)}]})
-    if not out.finished and (rest := out.finish()):  # a stream that ended without a finish reason
-        yield sse({**head, "choices": [{"index": 0, "delta": rest, "logprobs": None, "finish_reason": None}]})
+    async for p in parsed_deltas(b.generate(req), gen.spec):
+        last = p.msg or last
+        yield sse({**head, "choices": [{"index": 0, "delta": p.delta,
+                                        "logprobs": logprobs_of(b, body, [p.msg]) if p.msg else None,
+                                        "finish_reason": p.finish_reason}]})
     if body.include_usage_in_stream() and last is not None:
-        yield sse({**head, "choices": [], "usage": usage(last.usage, original_tokens)})
+        yield sse({**head, "choices": [], "usage": usage(last.usage, gen.original_tokens)})
 
 
 def _tool_set(body: ChatRequest, cfg: ChatConfig) -> ToolSet | None:
@@ -157,7 +223,7 @@ def constrain_to_schema(params: llm_pb2.SamplingParams, schema: dict[str, Any]) 
     return True
 
 
-def _logprobs(b: Backend, body: ChatRequest, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, Any] | None:
+def logprobs_of(b: Backend, body: ChatRequest, msgs: list[llm_pb2.GenerateResponse]) -> dict[str, Any] | None:
     """The chat `logprobs` object: per token its text, logprob, bytes and top alternatives."""
     if not body.logprobs:
         return None

@@ -115,13 +115,14 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-async def stream_response(events: AsyncIterator[str], preamble: int = 0) -> Response:
+async def stream_response(events: AsyncIterator[str], preamble: int = 0, done: str | None = SSE_DONE) -> Response:
     """Start the stream of `events` (server-sent events; an error raises), but turn an
     error before the first token into a plain HTTP error (a bad request must not look
     like a 200 stream). `preamble`: events that come before the first token (chat's role
     chunk); the response starts with the event after them, so the first token is never
     held back for the second (that cost completions one decode step of TTFT). A later
-    error becomes an OpenAI error event; the stream always ends with `[DONE]`."""
+    error becomes an OpenAI error event; the stream ends with `done` (`[DONE]`; None for
+    the Responses API, whose streams end with their last event and render their own errors)."""
     first: list[str] = []
     it = events.__aiter__()
     try:
@@ -142,7 +143,8 @@ async def stream_response(events: AsyncIterator[str], preamble: int = 0) -> Resp
                 yield chunk
         except Exception as e:
             yield sse(APIError.of(e).body())
-        yield SSE_DONE
+        if done is not None:
+            yield done
 
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
