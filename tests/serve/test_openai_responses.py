@@ -196,12 +196,14 @@ def test_function_call_and_output_round_trip(default):
 
 def test_tool_choice_and_parallel_tool_calls_map_to_chat(default):
     client, backend = default
-    backend.reply = TWO_CALLS
+    backend.reply = '{"city": "Oslo"}'  # a named choice: the grammar holds the reply to the arguments
     r = client.responses.create(model="kvmesh", input=QUESTION, tools=[WEATHER, TIME], parallel_tool_calls=False,
                                 tool_choice={"type": "function", "name": "get_weather"})
-    assert [i.type for i in r.output] == ["message", "function_call"] and r.parallel_tool_calls is False
+    assert [i.type for i in r.output] == ["function_call"] and r.parallel_tool_calls is False
+    assert json.loads(r.output[0].arguments) == {"city": "Oslo"}
     assert r.tool_choice.name == "get_weather"
     assert "You must call the function get_weather." in backend.prompt()
+    backend.reply = TWO_CALLS
     r = client.responses.create(model="kvmesh", input=QUESTION, tools=[WEATHER], tool_choice="none")
     assert r.output_text == TWO_CALLS and "# Tools" not in backend.prompt()
 

@@ -45,13 +45,15 @@ class ScriptedBackend(Backend):
     async def _pieces(self, request):
         text = self.reply
         pieces = [text[i:i + 3] for i in range(0, len(text), 3)] or [""]
+        n = request.params.n if request.params.HasField("n") else 1
         for i, piece in enumerate(pieces):
-            msg = llm_pb2.GenerateResponse(request_id=request.request_id, text=piece, token_ids=[5])
-            if i == len(pieces) - 1:
-                msg.finish_reason = "stop"
-                msg.usage.CopyFrom(llm_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
-                                                 completion_tokens=len(pieces)))
-            yield msg
+            for index in range(n):  # n > 1: every choice replies the same, their messages interleaved
+                msg = llm_pb2.GenerateResponse(request_id=request.request_id, text=piece, token_ids=[5], index=index)
+                if i == len(pieces) - 1:
+                    msg.finish_reason = "stop"
+                    msg.usage.CopyFrom(llm_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
+                                                     completion_tokens=len(pieces)))
+                yield msg
 
     async def list_models(self):
         return llm_pb2.ListModelsResponse(models=[llm_pb2.ModelInfo(id="kvmesh", max_model_len=8192)])
@@ -246,3 +248,40 @@ def test_reasoning_content(server):
     msg = client.chat.completions.create(model="kvmesh", messages=USER, tools=[WEATHER]).choices[0].message
     assert msg.model_extra["reasoning_content"] == "Need the weather."
     assert calls_of(msg) == [("get_weather", {"city": "Oslo"})] and msg.content is None
+
+
+def test_required_is_held_by_the_grammar(default):
+    """tool_choice required / named send the tool schema to the grammar engine
+    (SamplingParams.structured_outputs), so the call always parses."""
+    client, backend = default
+    backend.reply = '{"city": "Oslo"}'
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="kvmesh", messages=USER, tools=[WEATHER, TIME], tool_choice=named)
+    assert calls_of(r.choices[0].message) == [("get_weather", {"city": "Oslo"})]
+    schema = json.loads(backend.requests[-1].params.structured_outputs.json_schema)
+    assert schema == WEATHER["function"]["parameters"]
+    backend.reply = '[{"name": "now", "arguments": {}}]'
+    client.chat.completions.create(model="kvmesh", messages=USER, tools=[WEATHER, TIME], tool_choice="required")
+    assert backend.requests[-1].params.structured_outputs.json_schema
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="kvmesh", messages=USER, tools=[WEATHER], tool_choice=named,
+                                       response_format={"type": "json_object"})
+    assert err.value.body["param"] == "tool_choice"
+
+
+def test_n_choices_each_parsed(default):
+    """n > 1 on chat: every choice is read by its own parsers, whole and streamed; usage
+    counts the prompt once."""
+    client, backend = default
+    backend.reply = TWO_CALLS
+    r = client.chat.completions.create(model="kvmesh", messages=USER, tools=[WEATHER, TIME], n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert calls_of(c.message) == [("get_weather", {"city": "Oslo"}), ("now", {})]
+        assert c.finish_reason == "tool_calls"
+    assert r.usage.prompt_tokens == len(backend.requests[-1].prompt_token_ids)
+    texts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(model="kvmesh", messages=USER, n=2, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts[0] == texts[1] == TWO_CALLS  # without tools the reply is plain content

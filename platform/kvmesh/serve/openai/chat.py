@@ -44,11 +44,13 @@ from kvmesh.serve.openai.generation import (
     BackendSource,
     build_request,
     check_model,
-    collect,
+    choice_messages,
+    choices_usage,
+    collect_choices,
     compression_options,
+    prompt_logprobs_json,
     sse,
     stream_response,
-    usage,
 )
 from kvmesh.serve.openai.limits import check_prompt_chars, limits_of, until_disconnected
 from kvmesh.serve.openai.protocol import APIError, ChatMessage, ChatRequest, structured_outputs_for_schema
@@ -152,32 +154,51 @@ async def chat_completions(body: ChatRequest, request: Request):
     if not body.stream:
         return await until_disconnected(request, _complete(b, body, req, head, gen))
     return await stream_response(_events(b, body, req, {**head, "object": "chat.completion.chunk"}, gen),
-                                 preamble=1)
+                                 preamble=body.n)
 
 
 async def _complete(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],
                     gen: ChatGeneration) -> dict[str, Any]:
-    text, msgs = await collect(b, req)
-    last = msgs[-1] if msgs else llm_pb2.GenerateResponse()
-    out = ChatOutput(gen.spec)
-    message = out.message(text)
-    return {**head, "choices": [{"index": 0, "message": message, "logprobs": logprobs_of(b, body, msgs),
-                                 "finish_reason": out.finish_reason(last.finish_reason or None)}],
-            "usage": usage(last.usage, gen.original_tokens)}
+    results = await collect_choices(b, [req], body.n)
+    choices = []
+    for k, msgs in enumerate(results):
+        out = ChatOutput(gen.spec)
+        message = out.message("".join(m.text for m in msgs))
+        last = msgs[-1] if msgs else None
+        choice = {"index": k, "message": message, "logprobs": logprobs_of(b, body, msgs),
+                  "finish_reason": out.finish_reason((last.finish_reason if last else "") or None)}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(b, msgs)
+        choices.append(choice)
+    return {**head, "choices": choices,
+            "usage": choices_usage([m[-1] if m else None for m in results], body.n, gen.original_tokens)}
 
 
 async def _events(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest, head: dict[str, Any],
                   gen: ChatGeneration) -> AsyncIterator[str]:
-    yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]})
-    last = None
-    async for p in parsed_deltas(b.generate(req), gen.spec):
-        last = p.msg or last
-        yield sse({**head, "choices": [{"index": 0, "delta": p.delta,
-                                        "logprobs": logprobs_of(b, body, [p.msg]) if p.msg else None,
-                                        "finish_reason": p.finish_reason}]})
-    if body.include_usage_in_stream() and last is not None:
-        yield sse({**head, "choices": [], "usage": usage(last.usage, gen.original_tokens)})
+    """Each choice opens with a role-only delta (all of them first, as OpenAI's streams
+    do); the choices' parsed deltas then interleave in arrival order."""
+    n = body.n
+    for k in range(n):
+        yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]})
+    readers = [ChoiceReader(gen.spec) for _ in range(n)]
+    finals: list[llm_pb2.GenerateResponse | None] = [None] * n
+    async for k, msg in choice_messages(b, [req], n):
+        p = readers[k].read(msg)
+        choice = {"index": k, "delta": p.delta, "logprobs": logprobs_of(b, body, [msg]),
+                  "finish_reason": p.finish_reason}
+        if body.prompt_logprobs is not None and msg.prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprobs_json(b, [msg])
+        yield sse({**head, "choices": [choice]})
+        if msg.finish_reason:
+            finals[k] = msg
+    for k, reader in enumerate(readers):
+        if (rest := reader.end()) is not None:  # a stream that ended without a finish reason
+            yield sse({**head, "choices": [{"index": k, "delta": rest.delta, "logprobs": None,
+                                            "finish_reason": None}]})
+    if body.include_usage_in_stream() and any(finals):
+        yield sse({**head, "choices": [], "usage": choices_usage(finals, n, gen.original_tokens)})
 
 
 def _tool_set(body: ChatRequest, cfg: ChatConfig) -> ToolSet | None:
