@@ -132,6 +132,19 @@ def test_n_echo_logit_bias_and_prompt_logprobs(router):
     assert texts == [one.choices[0].text] * 2 and finishes == ["length", "length"]
 
 
+def test_constrained_logprobs_are_finite_json(router):
+    """A grammar rules most tokens out (logprob -inf): the top alternatives still render
+    as JSON numbers (-9999.0 at the floor, as vLLM), not -Infinity."""
+    _, base = router
+    r = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"prompt": "Answer:", "max_tokens": 2, "temperature": 0, "logprobs": 5,
+                         "guided_choice": ["yes", "no"]})
+    assert r.status_code == 200, r.text
+    tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    values = [v for top in tops for v in top.values()]
+    assert values and all(-9999.0 <= v <= 0 for v in values) and min(values) == -9999.0
+
+
 def test_openai_style_errors(router):
     _, base = router
     h = {"Authorization": f"Bearer {KEY}"}

@@ -48,6 +48,7 @@ from kvmesh.serve.openai.generation import (
     choices_usage,
     collect_choices,
     compression_options,
+    finite_logprob,
     prompt_logprobs_json,
     sse,
     stream_response,
@@ -252,8 +253,8 @@ def logprobs_of(b: Backend, body: ChatRequest, msgs: list[llm_pb2.GenerateRespon
     for m in msgs:
         for lp in m.logprobs:
             tok = b.token_str(lp.token_id)
-            content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": b.token_str(t.token_id), "logprob": t.logprob,
+            content.append({"token": tok, "logprob": finite_logprob(lp.logprob), "bytes": list(tok.encode()),
+                            "top_logprobs": [{"token": b.token_str(t.token_id), "logprob": finite_logprob(t.logprob),
                                               "bytes": list(b.token_str(t.token_id).encode())}
                                              for t in lp.top]})
     return {"content": content}

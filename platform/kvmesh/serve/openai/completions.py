@@ -33,6 +33,7 @@ from kvmesh.serve.openai.generation import (
     choice_messages,
     choices_usage,
     collect_choices,
+    finite_logprob,
     prompt_logprobs_json,
     sse,
     stream_response,
@@ -94,8 +95,8 @@ class _Echo:
         first = next((m for m in msgs if m.prompt_logprobs), None)
         lps = list(first.prompt_logprobs) if first is not None else []
         tokens = [self.b.token_str(t) for t in ids]
-        return {"tokens": tokens, "token_logprobs": [None] + [lp.logprob for lp in lps],
-                "top_logprobs": [None] + [{self.b.token_str(t.token_id): t.logprob for t in lp.top} for lp in lps]}
+        return {"tokens": tokens, "token_logprobs": [None] + [finite_logprob(lp.logprob) for lp in lps],
+                "top_logprobs": [None] + [{self.b.token_str(t.token_id): finite_logprob(t.logprob) for t in lp.top} for lp in lps]}
 
 
 async def _complete(b: Backend, body: CompletionRequest, reqs: list[llm_pb2.GenerateRequest],
@@ -149,5 +150,5 @@ def _logprobs(b: Backend, body: CompletionRequest, msgs: list[llm_pb2.GenerateRe
         for lp in m.logprobs:
             tokens.append(b.token_str(lp.token_id))
             lps.append(lp.logprob)
-            tops.append({b.token_str(t.token_id): t.logprob for t in lp.top})
+            tops.append({b.token_str(t.token_id): finite_logprob(t.logprob) for t in lp.top})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}

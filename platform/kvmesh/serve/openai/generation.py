@@ -222,6 +222,14 @@ def choices_usage(finals: list[llm_pb2.GenerateResponse | None], n: int,
     return total
 
 
+# JSON has no -Infinity: a token a grammar or logit_bias ruled out reports this instead (as vLLM's server).
+MIN_LOGPROB = -9999.0
+
+
+def finite_logprob(x: float) -> float:
+    return x if x > MIN_LOGPROB else MIN_LOGPROB
+
+
 def prompt_logprobs_json(b: Backend, msgs: list[llm_pb2.GenerateResponse], prompt_ids: list[int] | None = None
                          ) -> list[dict[str, Any] | None] | None:
     """vLLM's `prompt_logprobs` of a choice: None for the first prompt token, then per
@@ -231,8 +239,8 @@ def prompt_logprobs_json(b: Backend, msgs: list[llm_pb2.GenerateResponse], promp
         return None
     out: list[dict[str, Any] | None] = [None]
     for lp in first.prompt_logprobs:
-        entry = {str(lp.token_id): {"logprob": lp.logprob, "decoded_token": b.token_str(lp.token_id)}}
+        entry = {str(lp.token_id): {"logprob": finite_logprob(lp.logprob), "decoded_token": b.token_str(lp.token_id)}}
         for t in lp.top:
-            entry.setdefault(str(t.token_id), {"logprob": t.logprob, "decoded_token": b.token_str(t.token_id)})
+            entry.setdefault(str(t.token_id), {"logprob": finite_logprob(t.logprob), "decoded_token": b.token_str(t.token_id)})
         out.append(entry)
     return out
