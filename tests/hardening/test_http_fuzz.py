@@ -80,6 +80,13 @@ BAD_BODIES = [
      "messages"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}]}', None),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
+    ("/v1/responses", '{"input": "hi", "temperature": NaN}', "temperature"),
+    ("/v1/responses", '{"input": "\\ud800 lone surrogate"}', "input"),
+    ("/v1/responses", '{"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}',
+     "input[0].content[0].text"),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 4294967296}', "max_output_tokens"),
+    ("/v1/responses", '{"input": "' + "x" * 2001 + '"}', "input"),
+    ("/v1/responses", '{"input": "hi", "previous_response_id": "resp_1"}', "previous_response_id"),
     ("/v1/completions", '[1, 2, 3]', None),
     ("/v1/completions", '{"prompt": "unterminated', None),
 ]
@@ -199,6 +206,7 @@ class _GatedBackend(FakeBackend):
 @pytest.mark.parametrize("path,body", [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 3, "stream": True}),
 ])
 def test_first_token_is_streamed_before_the_second_exists(path, body):
     """The HTTP layer holds a stream back only until it knows the request did not fail
@@ -213,8 +221,12 @@ def test_first_token_is_streamed_before_the_second_exists(path, body):
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
-                choice = json.loads(line[6:])["choices"][0]
-                text = choice.get("text") or choice.get("delta", {}).get("content")
+                event = json.loads(line[6:])
+                if "choices" in event:
+                    choice = event["choices"][0]
+                    text = choice.get("text") or choice.get("delta", {}).get("content")
+                else:  # a Responses event
+                    text = event["delta"] if event["type"] == "response.output_text.delta" else None
                 if text:
                     texts.append(text)
                     gated.gate.set()  # only now can the backend produce the second token

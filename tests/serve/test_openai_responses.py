@@ -382,3 +382,81 @@ def test_route_is_behind_the_api_key(tokenizer, monkeypatch):
         assert ok.output_text == "ok"
     finally:
         srv.should_exit = True
+
+
+# -- a real model behind the app --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_stack(tiny_llama, tmp_path_factory):
+    """A tiny random Llama (with a chat template) served by a real worker and router, the
+    app on the router's loop (InProcessBackend, as `kvmesh serve`): (openai client, engine)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from kvmesh.build import build_worker
+    from kvmesh.config import EngineConfig
+    from kvmesh.router.config import RouterConfig
+    from kvmesh.router.registry import StaticRegistry
+    from kvmesh.router.server import RouterServer
+    from kvmesh.rpc import free_port
+    from kvmesh.serve.loop import LoopThread
+    from kvmesh.serve.openai import InProcessBackend, start_http
+    from kvmesh.worker.server import WorkerServerConfig
+
+    path = tmp_path_factory.mktemp("tiny-chat")
+    shutil.copytree(tiny_llama, path, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    tok.save_pretrained(path)
+    loop = LoopThread("responses-test-loop")
+    cfg = EngineConfig.from_kwargs(model=str(path), block_size=4, num_blocks=128, max_model_len=256, num_threads=1)
+    port = free_port()
+
+    async def start():
+        w = build_worker(cfg, WorkerServerConfig(role="unified"))
+        await w.start()
+        r = RouterServer(StaticRegistry([w.address]), w.aengine.tokenizer, RouterConfig(stats_interval_s=0.1))
+        await r.start(min_workers=1)
+        backend = InProcessBackend(r.api, lambda: r.serving, w.aengine.tokenizer, "kvmesh")
+        http = await start_http(create_app(lambda: backend), "127.0.0.1", port)
+        return w, r, http
+
+    w, r, http = loop.run(start(), timeout_s=300)  # a first run builds the native kernels
+    try:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120), w
+    finally:
+        loop.run(http.stop())
+        loop.run(r.stop(grace=0.5))
+        loop.run(w.stop(grace=0.5))
+        loop.stop()
+
+
+def test_greedy_responses_equal_chat_completions_on_a_real_model(tiny_chat_stack):
+    """The reference test: the same greedy request through both APIs gives the same text
+    and token counts (one generation path), streamed or not; the KV blocks come back."""
+    import time
+
+    client, w = tiny_chat_stack
+    for max_tokens in (5, 24):
+        chat = client.chat.completions.create(model="kvmesh", max_tokens=max_tokens, temperature=0, messages=[
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}])
+        r = client.responses.create(model="kvmesh", instructions="Be brief.", input="The quick brown fox",
+                                    max_output_tokens=max_tokens, temperature=0)
+        choice = chat.choices[0]
+        assert r.usage.output_tokens == chat.usage.completion_tokens >= 1
+        assert r.output_text == choice.message.content and r.output_text
+        assert r.usage.input_tokens == chat.usage.prompt_tokens
+        assert r.status == ("incomplete" if choice.finish_reason == "length" else "completed")
+        events = events_of(client, instructions="Be brief.", input="The quick brown fox",
+                           max_output_tokens=max_tokens, temperature=0)
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+        assert events[-1].response.output_text == r.output_text and events[-1].response.status == r.status
+    assert r.status == "incomplete" or chat.choices[0].finish_reason == "stop"
+    engine = w.aengine.engine
+    deadline = time.monotonic() + 30
+    while engine.num_free_blocks != engine.num_usable_blocks:
+        assert time.monotonic() < deadline, "KV blocks were not freed"
+        time.sleep(0.1)
