@@ -6,7 +6,8 @@ per-token mask fill is ~2-7 us against llguidance's ~20-60 us; it pays for that 
 ~5-10 ms a JSON schema, which the LRU cache below pays once per distinct spec).
 
 The mask is computed off the step thread: `GrammarMasks.start` hands the step's constrained
-rows to a one-thread pool before the forward pass (xgrammar's C++ releases the GIL) and the
+rows to a one-thread pool before the forward pass (whose torch kernels release the GIL, so the
+fills run beside them; nothing relies on xgrammar's own calls releasing it) and the
 sampler's logits are masked after it (`StepMasks.apply_*`): -inf on every token the grammar does
 not allow, before penalties, temperature and top-k / top-p, for greedy and sampled rows alike.
 Logprobs are therefore those of the masked distribution (what the token was drawn from; vLLM
