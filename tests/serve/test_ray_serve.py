@@ -130,8 +130,8 @@ def test_openai_client_completions_and_chat(served, offline):
     with pytest.raises(NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     with pytest.raises(BadRequestError) as e:
-        client.chat.completions.create(model="kvmesh", messages=CHAT, n=2)
-    assert "n must be 1" in str(e.value)
+        client.chat.completions.create(model="kvmesh", messages=CHAT, n=0)
+    assert e.value.body["param"] == "n" and "n: must be" in str(e.value)
 
 
 def _checked_request(address: str, max_tokens: int, expected: list[str]):
