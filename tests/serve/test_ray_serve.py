@@ -176,5 +176,6 @@ def test_scaling_decode_replicas_without_failing_requests(served, chat_model, of
             load.stop()
         assert not load.errors, load.errors[:5]
         assert load.done >= 6
-        view = workers_view(s.http)
-        assert sum(w["role"] == "decode" for w in view["workers"]) == replicas, view
+        # The placement holds after the traffic: the router sees `replicas` healthy decode workers
+        # (waited for, not sampled once: on 2 busy cores a worker's Stats poll can miss a beat).
+        _wait_decoders(s.http, replicas, timeout=60)
