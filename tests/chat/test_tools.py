@@ -79,7 +79,7 @@ def test_tool_choice():
 
 
 def test_output_schemas_validate_calls_and_compile():
-    xgrammar = pytest.importorskip("xgrammar")
+    import xgrammar  # a dependency of kvmesh (the structured-outputs engine): never skipped
     required = ToolSet.parse([WEATHER, TIME], "required", False).output_schema()
     good = [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]
     jsonschema.validate(good, required)
