@@ -104,6 +104,42 @@ class SpeculativeConfig(_Base):
         return self
 
 
+class LoRAModule(_Base):
+    """One adapter served from start-up: `--lora-modules name=path`."""
+
+    name: str = Field(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$",
+                      description="The OpenAI `model` name that selects the adapter.")
+    path: str = Field(..., min_length=1, description="A PEFT adapter folder (adapter_config.json + "
+                      "adapter_model.safetensors) the worker can read.")
+
+
+class LoRAConfig(_Base):
+    """Multi-LoRA serving: requests for different adapters of one base model share each step;
+    deltas are applied per row segment (layers/lora.py). None on EngineConfig = LoRA off."""
+
+    modules: list[LoRAModule] = Field(default_factory=list, description="Adapters known from start-up "
+                                      "(loaded on first use, or at start-up on the workers).")
+    max_loras: int = Field(4, ge=1, le=256, description="Adapters resident on the device at once: the "
+                           "most distinct adapters one step can batch.")
+    max_lora_rank: int = Field(16, ge=1, le=256, description="The largest adapter rank accepted; the "
+                               "device slots are sized for it.")
+    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters kept in host memory (an LRU); "
+                                      "None = max(max_loras, number of modules).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoRAConfig":
+        names = [m.name for m in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError("lora.modules: adapter names must be unique")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("lora.max_cpu_loras must be >= max_loras")
+        return self
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras or max(self.max_loras, len(self.modules))
+
+
 class PromptCacheEntry(_Base):
     """A prompt whose KV is computed at startup and pinned (see LLMEngine.cache_prompt)."""
 
@@ -177,6 +213,7 @@ class EngineConfig(_Base):
         default_factory=list, description="Prompts to compute and pin at startup."
     )
     speculative: SpeculativeConfig | None = Field(None, description="Speculative decoding; None = off.")
+    lora: LoRAConfig | None = Field(None, description="Multi-LoRA serving (`--enable-lora`); None = off.")
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
         "auto", description="auto: C++ paged kernels on CPU when they build, Triton kernels on CUDA when "
         "triton is installed, else the PyTorch reference. triton needs a CUDA device and `kvmesh[gpu]`."

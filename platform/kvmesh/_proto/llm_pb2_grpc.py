@@ -61,6 +61,16 @@ class LLMStub:
                 request_serializer=kvmesh_dot_v1_dot_llm__pb2.UncachePromptRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_llm__pb2.UncachePromptResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/kvmesh.v1.LLM/LoadLoRAAdapter',
+                request_serializer=kvmesh_dot_v1_dot_llm__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_llm__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/kvmesh.v1.LLM/UnloadLoRAAdapter',
+                request_serializer=kvmesh_dot_v1_dot_llm__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_llm__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class LLMServicer:
@@ -104,6 +114,20 @@ class LLMServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Add / remove a LoRA adapter at run time (vLLM's /v1/load_lora_adapter): once loaded,
+        GenerateRequest.model = its name selects it, and ListModels lists it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LLMServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +155,16 @@ def add_LLMServicer_to_server(servicer, server):
                     servicer.UncachePrompt,
                     request_deserializer=kvmesh_dot_v1_dot_llm__pb2.UncachePromptRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_llm__pb2.UncachePromptResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=kvmesh_dot_v1_dot_llm__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_llm__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=kvmesh_dot_v1_dot_llm__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_llm__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +304,60 @@ class LLM:
             '/kvmesh.v1.LLM/UncachePrompt',
             kvmesh_dot_v1_dot_llm__pb2.UncachePromptRequest.SerializeToString,
             kvmesh_dot_v1_dot_llm__pb2.UncachePromptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.LLM/LoadLoRAAdapter',
+            kvmesh_dot_v1_dot_llm__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            kvmesh_dot_v1_dot_llm__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.LLM/UnloadLoRAAdapter',
+            kvmesh_dot_v1_dot_llm__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            kvmesh_dot_v1_dot_llm__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,17 +7,53 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadLoRARequest(_message.Message):
+    __slots__ = ("lora",)
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    lora: _llm_pb2.LoRARef
+    def __init__(self, lora: _Optional[_Union[_llm_pb2.LoRARef, _Mapping]] = ...) -> None: ...
+
+class UnloadLoRARequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAResponse(_message.Message):
+    __slots__ = ("unloaded",)
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    unloaded: bool
+    def __init__(self, unloaded: _Optional[bool] = ...) -> None: ...
+
+class LoRAInfo(_message.Message):
+    __slots__ = ("name", "path", "rank", "key", "resident", "num_requests")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    key: str
+    resident: bool
+    num_requests: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[str] = ..., resident: _Optional[bool] = ..., num_requests: _Optional[int] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _llm_pb2.SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lora: _llm_pb2.LoRARef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora: _Optional[_Union[_llm_pb2.LoRARef, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first", "transfer_id", "source_address", "model_fingerprint", "num_blocks", "num_prompt_tokens")
@@ -36,7 +72,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first: _Optional[_Union[_llm_pb2.GenerateResponse, _Mapping]] = ..., transfer_id: _Optional[str] = ..., source_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "params", "transfer_id", "source_address", "model_fingerprint", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "params", "transfer_id", "source_address", "model_fingerprint", "cache_salt", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +81,7 @@ class DecodeRequest(_message.Message):
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -53,7 +90,8 @@ class DecodeRequest(_message.Message):
     source_address: str
     model_fingerprint: str
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., source_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lora: _llm_pb2.LoRARef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[_llm_pb2.SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., source_address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., cache_salt: _Optional[str] = ..., lora: _Optional[_Union[_llm_pb2.LoRARef, _Mapping]] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
     __slots__ = ("transfer_id", "model_fingerprint", "max_chunk_bytes", "gpu_transports", "gpu_node_id")
@@ -150,7 +188,7 @@ class StatsRequest(_message.Message):
     def __init__(self, max_block_hashes: _Optional[int] = ..., kv_events: _Optional[bool] = ..., kv_events_epoch: _Optional[int] = ..., kv_events_after: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("role", "address", "model_id", "model_fingerprint", "block_size", "max_model_len", "num_waiting", "num_running", "num_free_blocks", "num_usable_blocks", "num_held_transfers", "requests_total", "prompt_tokens_total", "cached_prompt_tokens_total", "kv_sent_blocks", "kv_sent_bytes", "kv_received_blocks", "kv_received_bytes", "kv_loaded_tokens", "kv_pull_failures", "transfers_expired", "cached_block_hashes", "num_preemptions", "cached_prompt_tokens_local", "cached_prompt_tokens_store", "cached_prompt_tokens_transfer", "kv_store_bytes_read", "kv_store_bytes_written", "spec_method", "num_speculative_tokens", "spec_proposed_tokens", "spec_accepted_tokens", "kv_stored", "kv_removed", "kv_events_epoch", "kv_events_seq", "kv_events_reset")
+    __slots__ = ("role", "address", "model_id", "model_fingerprint", "block_size", "max_model_len", "num_waiting", "num_running", "num_free_blocks", "num_usable_blocks", "num_held_transfers", "requests_total", "prompt_tokens_total", "cached_prompt_tokens_total", "kv_sent_blocks", "kv_sent_bytes", "kv_received_blocks", "kv_received_bytes", "kv_loaded_tokens", "kv_pull_failures", "transfers_expired", "cached_block_hashes", "num_preemptions", "cached_prompt_tokens_local", "cached_prompt_tokens_store", "cached_prompt_tokens_transfer", "kv_store_bytes_read", "kv_store_bytes_written", "spec_method", "num_speculative_tokens", "spec_proposed_tokens", "spec_accepted_tokens", "kv_stored", "kv_removed", "kv_events_epoch", "kv_events_seq", "kv_events_reset", "lora_enabled", "max_loras", "max_lora_rank", "loras")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +226,10 @@ class StatsResponse(_message.Message):
     KV_EVENTS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_SEQ_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_RESET_FIELD_NUMBER: _ClassVar[int]
+    LORA_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     model_id: str
@@ -225,4 +267,8 @@ class StatsResponse(_message.Message):
     kv_events_epoch: int
     kv_events_seq: int
     kv_events_reset: bool
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_usable_blocks: _Optional[int] = ..., num_held_transfers: _Optional[int] = ..., requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_prompt_tokens_total: _Optional[int] = ..., kv_sent_blocks: _Optional[int] = ..., kv_sent_bytes: _Optional[int] = ..., kv_received_blocks: _Optional[int] = ..., kv_received_bytes: _Optional[int] = ..., kv_loaded_tokens: _Optional[int] = ..., kv_pull_failures: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., num_preemptions: _Optional[int] = ..., cached_prompt_tokens_local: _Optional[int] = ..., cached_prompt_tokens_store: _Optional[int] = ..., cached_prompt_tokens_transfer: _Optional[int] = ..., kv_store_bytes_read: _Optional[int] = ..., kv_store_bytes_written: _Optional[int] = ..., spec_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., kv_stored: _Optional[_Iterable[bytes]] = ..., kv_removed: _Optional[_Iterable[bytes]] = ..., kv_events_epoch: _Optional[int] = ..., kv_events_seq: _Optional[int] = ..., kv_events_reset: _Optional[bool] = ...) -> None: ...
+    lora_enabled: bool
+    max_loras: int
+    max_lora_rank: int
+    loras: _containers.RepeatedCompositeFieldContainer[LoRAInfo]
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_usable_blocks: _Optional[int] = ..., num_held_transfers: _Optional[int] = ..., requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., cached_prompt_tokens_total: _Optional[int] = ..., kv_sent_blocks: _Optional[int] = ..., kv_sent_bytes: _Optional[int] = ..., kv_received_blocks: _Optional[int] = ..., kv_received_bytes: _Optional[int] = ..., kv_loaded_tokens: _Optional[int] = ..., kv_pull_failures: _Optional[int] = ..., transfers_expired: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., num_preemptions: _Optional[int] = ..., cached_prompt_tokens_local: _Optional[int] = ..., cached_prompt_tokens_store: _Optional[int] = ..., cached_prompt_tokens_transfer: _Optional[int] = ..., kv_store_bytes_read: _Optional[int] = ..., kv_store_bytes_written: _Optional[int] = ..., spec_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., kv_stored: _Optional[_Iterable[bytes]] = ..., kv_removed: _Optional[_Iterable[bytes]] = ..., kv_events_epoch: _Optional[int] = ..., kv_events_seq: _Optional[int] = ..., kv_events_reset: _Optional[bool] = ..., lora_enabled: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., loras: _Optional[_Iterable[_Union[LoRAInfo, _Mapping]]] = ...) -> None: ...

@@ -77,6 +77,16 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/kvmesh.v1.Worker/LoadLoRA',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.LoRAInfo.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/kvmesh.v1.Worker/UnloadLoRA',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.UnloadLoRAResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -143,6 +153,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Read a LoRA adapter into host memory (off the step loop) / drop it. Idempotent for
+        the same name and path; another path under a loaded name is INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +209,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.StatsResponse.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.LoadLoRARequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.LoRAInfo.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.UnloadLoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -405,6 +439,60 @@ class Worker:
             '/kvmesh.v1.Worker/Stats',
             kvmesh_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/LoadLoRA',
+            kvmesh_dot_v1_dot_worker__pb2.LoadLoRARequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.LoRAInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/UnloadLoRA',
+            kvmesh_dot_v1_dot_worker__pb2.UnloadLoRARequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.UnloadLoRAResponse.FromString,
             options,
             channel_credentials,
             insecure,
