@@ -52,7 +52,8 @@ def cmd_distill(args) -> int:
                         lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
                         warmup_steps=args.warmup_steps, checkpoint_every=args.checkpoint_every, seed=args.seed,
                         teacher_top_k=args.teacher_top_k, data=args.data, chat_prompts=args.chat_prompts,
-                        chat_max_tokens=args.chat_max_tokens, threads=args.threads)
+                        chat_max_tokens=args.chat_max_tokens, threads=args.threads, lora_rank=args.lora_rank,
+                        lora_alpha=args.lora_alpha)
     res = distill(_model_path(args.teacher), student, Path(out), cfg, resume=args.resume)
     first = f"{res.losses[0]:.4f}" if res.losses else "?"
     print(f"distilled {res.steps} steps (loss {first} -> {res.losses[-1]:.4f}"
@@ -117,6 +118,10 @@ def add_optimize_parser(sub) -> None:
                         "instructions built from it (best for a speculative-decoding draft)")
     d.add_argument("--chat-prompts", type=_positive_int, default=256, help="with --data chat: instructions")
     d.add_argument("--chat-max-tokens", type=_positive_int, default=96, help="with --data chat: reply length")
+    d.add_argument("--lora-rank", type=int, default=0,
+                   help="train a LoRA adapter of this rank on the frozen STUDENT (the base you serve) and write "
+                        "it as a peft folder, served with --enable-lora --lora-modules NAME=OUT (0 = full student)")
+    d.add_argument("--lora-alpha", type=float, default=None, help="with --lora-rank: LoRA alpha (default 2 x rank)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--resume", action="store_true", help="continue from OUT's last checkpoint")
     d.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")

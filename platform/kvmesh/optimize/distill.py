@@ -45,6 +45,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.models.loader import load_tokenizer
 from kvmesh.optimize.corpus import token_windows
 from kvmesh.optimize.generate import teacher_chat_windows
+from kvmesh.optimize.lora_adapter import add_lora, save_adapter
 from kvmesh.optimize.prune import META_FILE, first_layers_checkpoint, read_config, write_checkpoint
 
 CHECKPOINT_DIR = "checkpoint"
@@ -76,6 +77,10 @@ class DistillConfig:
     chat_prompts: int = 256
     chat_max_tokens: int = 96
     threads: int | None = None
+    # > 0: train a LoRA adapter of this rank on the frozen student (the serving base) and
+    # write it as a peft folder instead of a full student (optimize/lora_adapter.py).
+    lora_rank: int = 0
+    lora_alpha: float | None = None  # None: 2 * lora_rank
 
     def __post_init__(self) -> None:
         checks = [
@@ -90,6 +95,8 @@ class DistillConfig:
             (self.data in ("corpus", "chat"), f"--data: {self.data!r} is not one of corpus, chat"),
             (self.chat_prompts >= 1, f"--chat-prompts: {self.chat_prompts} must be >= 1"),
             (self.chat_max_tokens >= 1, f"--chat-max-tokens: {self.chat_max_tokens} must be >= 1"),
+            (self.lora_rank >= 0, f"--lora-rank: {self.lora_rank} must be >= 0"),
+            (self.lora_alpha is None or self.lora_alpha > 0, f"--lora-alpha: {self.lora_alpha} must be > 0"),
             (not (self.teacher_top_k and self.hidden_loss_weight),
              "--hidden-loss-weight needs the teacher's hidden states on the fly: "
              "drop --teacher-top-k or set --hidden-loss-weight 0"),
@@ -97,6 +104,10 @@ class DistillConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+
+    @property
+    def alpha(self) -> float:
+        return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
 
     @property
     def warmup(self) -> int:
@@ -277,7 +288,8 @@ class DistillResult:
 def distill(teacher_path: Path, student: str, out: Path, cfg: DistillConfig, *, resume: bool = False,
             train_windows: list[list[int]] | None = None, teacher_cache: Path | None = None,
             progress: bool = True, on_step: Callable[[int, float], None] | None = None) -> DistillResult:
-    """Train `student` (folder or 'first-layers:K') on `teacher_path`'s outputs; write the HF folder `out`.
+    """Train `student` (folder or 'first-layers:K') on `teacher_path`'s outputs; write the HF folder `out`
+    (with cfg.lora_rank: a LoRA adapter of the student folder, which stays frozen, as a peft folder).
 
     train_windows default: `training_windows` (cfg.data: corpus train split or teacher chat replies).
     on_step(step, loss) is called after every optimizer step (tests use it to interrupt).
@@ -288,6 +300,9 @@ def distill(teacher_path: Path, student: str, out: Path, cfg: DistillConfig, *, 
         torch.set_num_threads(cfg.threads)
     ckpt = out / CHECKPOINT_DIR / _STATE_FILE
     _check_out(out, ckpt, resume)
+    if cfg.lora_rank and student.startswith("first-layers:"):
+        raise ConfigError("--lora-rank trains an adapter of a base you serve: give the base's folder as STUDENT, "
+                          "not first-layers:K (a cut model is a new base: distil it without --lora-rank)")
     out.mkdir(parents=True, exist_ok=True)
     student_path = prepare_student(teacher_path, student, out)
     teacher = load_causal_lm(teacher_path, train=False)
@@ -295,7 +310,10 @@ def distill(teacher_path: Path, student: str, out: Path, cfg: DistillConfig, *, 
     if model.config.vocab_size != teacher.config.vocab_size:
         raise ConfigError(f"STUDENT: vocab {model.config.vocab_size} != teacher vocab {teacher.config.vocab_size}; "
                           "the student must share the teacher's tokenizer")
-    _freeze_embeddings(model)
+    if cfg.lora_rank:
+        add_lora(model, cfg.lora_rank, cfg.alpha)
+    else:
+        _freeze_embeddings(model)
     if train_windows is None:
         train_windows = training_windows(teacher_path, cfg, out / CHECKPOINT_DIR, progress)
     cache = None
@@ -405,4 +423,9 @@ def _write_final(out: Path, student_path: Path, teacher_path: Path, model, cfg: 
     meta = {"kind": "distill", "teacher": str(teacher_path), "student_init": student_meta.get("kind", "folder"),
             "teacher_layers": student_meta.get("teacher_layers"), "config": asdict(cfg),
             "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None}
+    if cfg.lora_rank:
+        save_adapter(model, out, student_path, cfg.lora_rank, cfg.alpha)
+        (out / META_FILE).write_text(json.dumps({**meta, "kind": "distill-lora", "base": str(student_path)},
+                                                indent=2) + "\n")
+        return
     write_checkpoint(out, read_config(student_path), model.state_dict(), student_path, meta)
