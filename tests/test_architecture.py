@@ -123,6 +123,8 @@ SAMPLES = {
     ("cuda_graphs",): None, ("cuda_graph_max_batch_size",): "16",
     ("kernels", "cpu_kernels"): None, ("kernels", "native_isa"): "avx2", ("kernels", "layer_ops"): "torch",
     ("kernels", "onednn_linear"): None, ("kernels", "small_gemm"): None, ("kernels", "quantized_cpu_gemm"): None,
+    ("lora", "modules"): "sql=/adapters/sql", ("lora", "max_loras"): "2", ("lora", "max_lora_rank"): "64",
+    ("lora", "max_cpu_loras"): "8",
 }
 
 
@@ -148,6 +150,22 @@ def test_every_engine_config_field_is_a_cli_flag_that_reaches_the_config():
             base = getattr(base, part, None) if base is not None else None
         assert got != base, f"{'.'.join(path)} did not reach the config from {flags[path].options[0]}"
     assert cfg.prompt_cache[0].text == "You are kind." and cfg.speculative.num_speculative_tokens == 6
+    assert cfg.lora.modules[0].name == "sql" and cfg.lora.modules[0].path == "/adapters/sql"
+
+
+def test_lora_flags_take_vllms_spellings():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args([])).lora is None
+    cfg = engine_config(parser.parse_args(["--enable-lora"]))
+    assert cfg.lora is not None and cfg.lora.modules == [] and cfg.lora.max_loras == 4
+    cfg = engine_config(parser.parse_args(["--lora-modules", "a=/x", '{"name": "b", "path": "/y"}',
+                                           "--max-loras", "2"]))
+    assert [(m.name, m.path) for m in cfg.lora.modules] == [("a", "/x"), ("b", "/y")] and cfg.lora.max_loras == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lora-modules", "no-equals-sign"])
+    with pytest.raises(ValueError, match="unique"):
+        engine_config(parser.parse_args(["--lora-modules", "a=/x", "a=/y"]))
 
 
 def test_flags_not_given_leave_the_base_config_alone():

@@ -21,12 +21,15 @@ from pydantic import BaseModel
 from kvmesh.chat.config import ChatConfig
 from kvmesh.chat.reasoning import REASONING_PARSERS
 from kvmesh.chat.tool_parsers import TOOL_PARSERS
-from kvmesh.config import EngineConfig, SpeculativeConfig
+from kvmesh.config import EngineConfig, LoRAConfig, LoRAModule, SpeculativeConfig
 
 # Sections whose fields are flattened without a prefix (their names are unique).
 _FLAT_SECTIONS = ("model", "cache", "scheduler", "kernels")
-# The one nested optional section: `--speculative METHOD` turns it on.
+# The nested optional sections: `--speculative METHOD` turns speculative decoding on;
+# `--enable-lora` (or any LoRA flag) turns multi-LoRA serving on.
 _SPEC = "speculative"
+_LORA = "lora"
+_NESTED = (_SPEC, _LORA)
 
 # Flag names that differ from `--field-name` (kept for the flags users already know).
 _NAMES: dict[tuple[str, ...], list[str]] = {
@@ -37,7 +40,22 @@ _NAMES: dict[tuple[str, ...], list[str]] = {
     (_SPEC, "model"): ["--draft-model", "--speculative-model"],
     (_SPEC, "quantization"): ["--draft-quantization", "--speculative-quantization"],
     (_SPEC, "num_speculative_tokens"): ["--num-speculative-tokens"],
+    (_LORA, "modules"): ["--lora-modules"],
 }
+
+
+def _lora_module(text: str) -> dict[str, str]:
+    """`name=path` or `{"name": ..., "path": ...}` (vLLM's two spellings of --lora-modules)."""
+    text = text.strip()
+    if text.startswith("{"):
+        entry = json.loads(text)
+        if not isinstance(entry, dict):
+            raise argparse.ArgumentTypeError(f"--lora-modules: expected a JSON object, got {text!r}")
+        return entry
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules: expected name=path, got {text!r}")
+    return {"name": name, "path": path}
 
 
 @dataclass(frozen=True)
@@ -91,6 +109,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     kinds = {path: (field, kind) for path, field, kind in _fields(EngineConfig)}
     for flag in engine_flags():
         field, kind = kinds[flag.path]
+        if flag.path == (_LORA, "modules"):
+            group.add_argument(*flag.options, dest=flag.dest, type=_lora_module, nargs="+", default=argparse.SUPPRESS,
+                               metavar="NAME=PATH", help=f"{field.description} Each as name=path or as JSON "
+                               '{"name": ..., "path": ...}; implies --enable-lora.')
+            continue
         help_text = (field.description or "").replace("%", "%%")
         default = field.get_default(call_default_factory=True)
         if typing.get_origin(kind) is Literal:
@@ -106,25 +129,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:  # lists of entries (prompt_cache): JSON
             group.add_argument(*flag.options, dest=flag.dest, type=json.loads, default=argparse.SUPPRESS,
                                metavar="JSON", help=f"{help_text} As JSON.")
+    group.add_argument("--enable-lora", dest="engine_enable_lora", action=argparse.BooleanOptionalAction,
+                       default=argparse.SUPPRESS, help="Serve LoRA adapters of the base model (load them at run "
+                       "time, or name them with --lora-modules). (default: off)")
     # Legacy spelling of --no-enable-prefix-caching.
     group.add_argument("--no-prefix-caching", dest="engine__cache__enable_prefix_caching",
                        action="store_false", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags the user gave, as flat EngineConfig overrides (speculative nested)."""
+    """The engine flags the user gave, as flat EngineConfig overrides (speculative and lora
+    nested)."""
     flat: dict[str, Any] = {}
-    spec: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {name: {} for name in _NESTED}
     for flag in engine_flags():
         if not hasattr(args, flag.dest):
             continue
         value = getattr(args, flag.dest)
-        if flag.path[0] == _SPEC:
-            spec[flag.path[-1]] = value
+        if flag.path[0] in nested:
+            nested[flag.path[0]][flag.path[-1]] = value
         else:
             flat[flag.path[-1]] = value
-    if spec:
-        flat[_SPEC] = spec
+    for name, values in nested.items():
+        if values:
+            flat[name] = values
     return flat
 
 
@@ -137,6 +165,16 @@ def engine_config(args: argparse.Namespace, base: EngineConfig | None = None) ->
         if "method" not in merged:
             raise ValueError("speculative: set --speculative METHOD (ngram or draft) to use speculative decoding")
         overrides[_SPEC] = SpeculativeConfig(**merged)
+    enable_lora = getattr(args, "engine_enable_lora", None)
+    if enable_lora is False:
+        if _LORA in overrides:
+            raise ValueError("lora: --no-enable-lora conflicts with the LoRA flags given")
+        overrides[_LORA] = None
+    elif enable_lora or _LORA in overrides:
+        merged = {**(base.lora.model_dump() if base.lora else {}), **overrides.get(_LORA, {})}
+        if "modules" in overrides.get(_LORA, {}):  # the flag lists the start-up adapters: no duplicates
+            merged["modules"] = [LoRAModule(**m) for m in merged["modules"]]
+        overrides[_LORA] = LoRAConfig(**merged)
     return base.with_overrides(**overrides)
 
 
