@@ -24,6 +24,11 @@ retried again, so one poisoned request cannot walk through the whole fleet.
 
 The router detokenizes the combined token stream itself, so text and stop strings
 are right across the prefill/decode (or retry) boundary.
+
+LoRA (router/lora.py): `model` names the base model or an adapter; an adapter's requests
+carry its `LoRARef` (name and path) to every worker call, score by `lora_affinity`, and
+hash their blocks with the adapter's content key. `load_lora_adapter`,
+`unload_lora_adapter` and `sync_adapters` change the served adapters at run time.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from kvmesh.engine.hashing import block_hashes
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError, NotFoundError, RateLimitedError, UnavailableError
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.lora import LoRAAdapters
 from kvmesh.router.plugins import RouteRequest, WorkerScheduler
 from kvmesh.router.ratelimit import RateLimitConfig, RateLimiter
 from kvmesh.router.registry import WorkerHandle, WorkerPool
@@ -124,8 +130,9 @@ class _Stream:
     strings, and the tokens sent so far (what a retry resumes from), per choice."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer,
-                 telemetry: RequestTelemetry, cache_salt: str = ""):
+                 telemetry: RequestTelemetry, cache_salt: str = "", lora: llm_pb2.LoRARef | None = None):
         self.request_id = request_id
+        self.lora = lora  # the adapter, sent to every worker call (None: the base model)
         self.cache_salt = cache_salt  # effective (tenant-scoped) salt, sent to every worker call
         self.telemetry = telemetry
         self.prompt_ids = prompt_ids
@@ -186,14 +193,15 @@ class _Stream:
             proto.max_tokens = self.params.max_tokens - len(self.tokens)
             proto.ClearField("prompt_logprobs")  # already sent with the first token; the new prompt is longer
         return llm_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids + self.tokens,
-                                       params=proto, cache_salt=self.cache_salt)
+                                       params=proto, cache_salt=self.cache_salt, lora=self.lora)
 
 
 class RouterAPI:
     """The router's calls (see the module docstring); `decisions` keeps the recent routes."""
 
     def __init__(self, pool: WorkerPool, config: RouterConfig, tokenizer, model_id: str,
-                 keys: ApiKeys | None = None, limiter: RateLimiter | None = None):
+                 keys: ApiKeys | None = None, limiter: RateLimiter | None = None,
+                 adapters: list[tuple[str, str]] | tuple = ()):
         self.pool = pool
         self.keys = keys or ApiKeys()  # tenants: cache salt and rate-limit bucket per API key
         self.limiter = limiter or RateLimiter(RateLimitConfig())
@@ -202,6 +210,8 @@ class RouterAPI:
         self.model_id = model_id
         self.scheduler = WorkerScheduler.from_config(config)
         self.scores = ScoreRecorder(self.scheduler, [s.name for s in config.scorers])
+        # LoRA adapters served (name -> path: the engine config's lora.modules, then run-time loads).
+        self.loras = LoRAAdapters(pool, self.scheduler, model_id, adapters)
         self.decisions: deque[RouteDecision] = deque(maxlen=1024)
         self._background: set[asyncio.Task] = set()
 
@@ -216,9 +226,6 @@ class RouterAPI:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=True)
 
     async def _prompt_ids(self, request: llm_pb2.GenerateRequest) -> list[int]:
-        if request.model and request.model != self.model_id:
-            raise InvalidRequestError("model", f"{request.model!r} is not served here; ListModels shows "
-                                               f"{self.model_id!r}")
         prompt = prompt_from_request(request)
         ids = await self._encode(prompt) if isinstance(prompt, str) else prompt
         limits = [w.stats.max_model_len for w in self.pool.handles() if w.stats is not None]
@@ -227,17 +234,22 @@ class RouterAPI:
                                                 "shorten it to leave room for at least one output token")
         return ids
 
-    def _route_request(self, rid: str, ids: list[int], cache_salt: str = "") -> RouteRequest:
+    def _route_request(self, rid: str, ids: list[int], cache_salt: str = "",
+                       lora: llm_pb2.LoRARef | None = None) -> RouteRequest:
         if self.pool.fingerprint is None:
             raise UnavailableError("no worker has answered yet; retry shortly")
-        hashes = block_hashes(ids, self.pool.block_size, self.pool.fingerprint, cache_salt=cache_salt)
-        return RouteRequest(rid, ids, hashes, self.pool.block_size)
+        # An adapter's KV is its own: its blocks hash under its content key, as the workers' do.
+        key = self.loras.key_of(lora.name) if lora is not None else ""
+        hashes = block_hashes(ids, self.pool.block_size, self.pool.fingerprint, cache_salt=cache_salt, lora_key=key)
+        return RouteRequest(rid, ids, hashes, self.pool.block_size, lora=lora.name if lora is not None else None)
 
     def _pick(self, req: RouteRequest, stage: str) -> WorkerHandle | None:
         req.stage = stage
         worker = self.scheduler.pick(req, self.pool.handles())
         if worker is not None:
             self.scores.observe(stage, worker)
+            if req.lora is not None:
+                worker.note_lora(req.lora)  # it holds the adapter once this request loaded it there
         return worker
 
     def _failed(self, worker: WorkerHandle, req: RouteRequest, exc: grpc.aio.AioRpcError,
@@ -283,13 +295,14 @@ class RouterAPI:
         rid = request.request_id or uuid.uuid4().hex
         with RequestTelemetry(self.model_id, rid, call.metadata) as tel:
             params = params_from_proto(request.params)
+            lora = self.loras.resolve(request.model, request.lora if request.HasField("lora") else None)
             request, compression = await compress_request(request, self.tokenizer)
             ids = await self._prompt_ids(request)
             tenant = self._tenant(call)
             salt = tenant_salt(tenant, request.cache_salt)
             await self._admit(tenant, len(ids) + params.max_tokens * params.n)
-            route = self._route_request(rid, ids, salt)
-            stream = _Stream(rid, ids, params, self.tokenizer, tel, salt)
+            route = self._route_request(rid, ids, salt, lora)
+            stream = _Stream(rid, ids, params, self.tokenizer, tel, salt, lora)
             if compression is not None:
                 stream.original_prompt_tokens = compression.original_prompt_tokens
             try:
@@ -332,7 +345,8 @@ class RouterAPI:
     async def _prefill(self, route: RouteRequest, stream: _Stream, decision: RouteDecision,
                        call: Call) -> worker_pb2.PrefillResponse | None:
         req = worker_pb2.PrefillRequest(request_id=route.request_id, prompt_token_ids=route.prompt_token_ids,
-                                        params=params_to_proto(stream.params), cache_salt=stream.cache_salt)
+                                        params=params_to_proto(stream.params), cache_salt=stream.cache_salt,
+                                        lora=stream.lora)
         for _ in range(self.config.max_attempts):
             worker = self._pick(route, "prefill")
             if worker is None:
@@ -365,7 +379,7 @@ class RouterAPI:
                     request_id=route.request_id, prompt_token_ids=route.prompt_token_ids,
                     first_token_id=stream.tokens[0], params=params_to_proto(stream.params),
                     transfer_id=t.transfer_id, source_address=t.source_address,
-                    model_fingerprint=t.model_fingerprint, cache_salt=stream.cache_salt),
+                    model_fingerprint=t.model_fingerprint, cache_salt=stream.cache_salt, lora=stream.lora),
                     timeout=call.time_remaining(),
                     metadata=stream.telemetry.metadata)
             else:
@@ -411,15 +425,32 @@ class RouterAPI:
         task.add_done_callback(self._background.discard)
 
     async def tokenize(self, text: str, model: str = "") -> list[int]:
-        if model and model != self.model_id:
-            raise InvalidRequestError("model", f"{model!r} is not served here; ListModels shows {self.model_id!r}")
+        self.loras.resolve(model)  # the base model or an adapter (same tokenizer); else NOT_FOUND
         return await self._encode(text, "text")
 
     def list_models(self) -> llm_pb2.ListModelsResponse:
+        """The base model, then every LoRA adapter served (`parent`: the base model, `root`: its path)."""
         limits = [w.stats.max_model_len for w in self.pool.handles() if w.stats is not None]
-        return llm_pb2.ListModelsResponse(models=[llm_pb2.ModelInfo(
-            id=self.model_id, max_model_len=min(limits, default=0), block_size=self.pool.block_size or 0,
-            fingerprint=self.pool.fingerprint or "")])
+        base = llm_pb2.ModelInfo(id=self.model_id, max_model_len=min(limits, default=0),
+                                 block_size=self.pool.block_size or 0, fingerprint=self.pool.fingerprint or "")
+        return llm_pb2.ListModelsResponse(models=self.loras.model_infos(base))
+
+    # -- LoRA adapters ---------------------------------------------------------------
+
+    async def load_lora_adapter(self, request: llm_pb2.LoadLoRAAdapterRequest,
+                                call: Call) -> llm_pb2.LoadLoRAAdapterResponse:
+        """Load an adapter on at least one worker (one per P/D stage) and serve it by name."""
+        return await self.loras.load(request.lora_name, request.lora_path, call.time_remaining())
+
+    async def unload_lora_adapter(self, name: str, call: Call) -> None:
+        """Stop serving an adapter and unload it from every worker (NOT_FOUND if unknown)."""
+        await self.loras.unload(name, call.time_remaining())
+
+    async def sync_adapters(self, adapters: list[tuple[str, str]]) -> None:
+        """Make the served adapters equal to `adapters` ((name, path) pairs): removed ones
+        are unloaded from every worker, new ones load on first use (the operator's
+        reconcile, RouterDeployment.reconfigure)."""
+        await self.loras.sync(list(adapters))
 
     async def cache_prompt(self, request: llm_pb2.CachePromptRequest, call: Call) -> llm_pb2.CachePromptResponse:
         """Pin the prompt on every worker, so any of them serves it without recompute."""

@@ -15,19 +15,22 @@ class _Base(BaseModel):
 
 
 class ScorerWeight(_Base):
-    name: str = Field(description="Registered scorer name: prefix, precise_prefix, queue, kv_free.")
+    name: str = Field(description="Registered scorer name: prefix, precise_prefix, queue, kv_free, lora_affinity.")
     weight: float = Field(1.0, ge=0, description="Weight of this scorer's [0, 1] score in the sum.")
 
 
 class RouterConfig(_Base):
     filters: list[str] = Field(
-        default_factory=lambda: ["healthy", "role"],
+        default_factory=lambda: ["healthy", "role", "lora"],
         description="Filters applied in order to the candidate workers.",
     )
     scorers: list[ScorerWeight] = Field(
         default_factory=lambda: [ScorerWeight(name="prefix", weight=2.0), ScorerWeight(name="queue", weight=1.0),
-                                 ScorerWeight(name="kv_free", weight=0.5)],
-        description="Weighted scorers; a worker's score is the weighted sum.",
+                                 ScorerWeight(name="kv_free", weight=0.5),
+                                 ScorerWeight(name="lora_affinity", weight=1.0)],
+        description="Weighted scorers; a worker's score is the weighted sum. lora_affinity (weight 1) sends an "
+        "adapter's requests to the workers holding it while load is even; once those are the busiest, the queue "
+        "scorer ties with it and the adapter spreads to another worker (loaded there on first use).",
     )
     picker: str = Field("max_score", description="How to pick among scored workers: max_score, round_robin, random.")
     decider: str = Field(

@@ -30,6 +30,7 @@ class RouteRequest:
     block_size: int
     stage: Stage = "decode"
     exclude: set[str] = field(default_factory=set)  # addresses that already failed it
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 class Filter(Protocol):
@@ -92,6 +93,18 @@ class RoleFilter:
         return fit or workers
 
 
+@register("filter", "lora")
+class LoRAFilter:
+    """For a LoRA request, the workers that serve adapters at all (`--enable-lora`). When
+    none does, every worker stays: the worker's refusal then says what to change."""
+
+    def filter(self, req, workers):
+        if req.lora is None:
+            return workers
+        fit = [w for w in workers if w.lora_enabled]
+        return fit or workers
+
+
 # -- scorers ---------------------------------------------------------------------
 
 
@@ -113,6 +126,18 @@ class PrecisePrefixScorer:
     def score(self, req, workers):
         n = len(req.block_hashes)
         return [w.kv_index.prefix_blocks(req.block_hashes) / n if n else 0.0 for w in workers]
+
+
+@register("scorer", "lora_affinity")
+class LoRAAffinityScorer:
+    """For a LoRA request: 1 where the adapter is resident on the device, 0.75 where it is
+    in host memory (or this router just sent it there), 0 where the worker would first read
+    it from disk (load-on-miss). Every worker serves the base model: 1 for all."""
+
+    def score(self, req, workers):
+        if req.lora is None:
+            return [1.0] * len(workers)
+        return [w.lora_level(req.lora) for w in workers]
 
 
 @register("scorer", "queue")

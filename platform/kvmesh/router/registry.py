@@ -23,6 +23,10 @@ from kvmesh.rpc.internal_auth import InternalAuth
 
 logger = logging.getLogger(__name__)
 
+# How long an adapter this router sent to (or loaded on) a worker counts as held there
+# before the worker's Stats confirm it (the load runs with the request; Stats lag it).
+LORA_ROUTED_TTL_S = 10.0
+
 
 class WorkerRegistry(Protocol):
     def addresses(self) -> list[str]:
@@ -73,6 +77,10 @@ class WorkerHandle:
         self._reported: frozenset[bytes] = frozenset()
         # Exact: what the worker's KV events say it holds (filled when the pool asks for events).
         self.kv_index = KVIndex()
+        # LoRA adapters: the worker's own report (Stats, or a LoadLoRA reply) by name, and
+        # the ones this router sent here lately (monotonic time; see LORA_ROUTED_TTL_S).
+        self.loras: dict[str, worker_pb2.LoRAInfo] = {}
+        self._lora_routed: dict[str, float] = {}
 
     @property
     def stub(self) -> worker_pb2_grpc.WorkerStub:
@@ -120,8 +128,38 @@ class WorkerHandle:
         while len(self._routed) > self._capacity:
             self._routed.popitem(last=False)
 
+    @property
+    def lora_enabled(self) -> bool:
+        return self.stats is not None and self.stats.lora_enabled
+
+    def lora_level(self, name: str) -> float:
+        """1: the adapter is resident on the device; 0.75: in host memory, or sent here by
+        this router within LORA_ROUTED_TTL_S; 0: not here (a request would load it)."""
+        info = self.loras.get(name)
+        if info is not None:
+            return 1.0 if info.resident else 0.75
+        t = self._lora_routed.get(name)
+        return 0.75 if t is not None and time.monotonic() - t < LORA_ROUTED_TTL_S else 0.0
+
+    def holds_lora(self, name: str) -> bool:
+        return self.lora_level(name) > 0
+
+    def note_lora(self, name: str, info: worker_pb2.LoRAInfo | None = None) -> None:
+        """This router sent a request for `name` here (or loaded it: `info`)."""
+        self._lora_routed[name] = time.monotonic()
+        if info is not None:
+            self.loras[name] = info
+
+    def forget_lora(self, name: str) -> None:
+        self.loras.pop(name, None)
+        self._lora_routed.pop(name, None)
+
     def update(self, stats: worker_pb2.StatsResponse) -> None:
         self.stats = stats
+        self.loras = {i.name: i for i in stats.loras}
+        now = time.monotonic()
+        self._lora_routed = {n: t for n, t in self._lora_routed.items()
+                             if n not in self.loras and now - t < LORA_ROUTED_TTL_S}
         self._reported = frozenset(stats.cached_block_hashes)
         self.kv_index.apply_stats(stats)
 

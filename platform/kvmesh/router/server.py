@@ -34,11 +34,15 @@ class RouterServer:
 
     Security: `tls` serves the public port over TLS; API keys come from the environment
     (rpc/auth.py); calls to workers carry `auth` (default: the internal token / mTLS of the
-    environment, rpc/internal_auth.py)."""
+    environment, rpc/internal_auth.py).
+
+    `adapters`: the LoRA adapters served from start-up, (name, path) pairs (the engine
+    config's `lora.modules`); more are loaded at run time (LoadLoRAAdapter)."""
 
     def __init__(self, registry: WorkerRegistry, tokenizer, config: RouterConfig | None = None,
                  model_id: str = "kvmesh", host: str = "127.0.0.1", port: int = 0, metrics_port: int = 0,
-                 tls: TLSFiles | None = None, auth: InternalAuth | None = None, loopback: bool = False):
+                 tls: TLSFiles | None = None, auth: InternalAuth | None = None, loopback: bool = False,
+                 adapters: list[tuple[str, str]] | tuple = ()):
         self.config = config = config or RouterConfig()
         self.host, self.metrics_port = host, metrics_port
         self.metrics_server = None
@@ -63,7 +67,7 @@ class RouterServer:
         if tls is not None:
             self.loopback_address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}" if loopback else None
         # The typed API both front ends call: this gRPC service and the in-process HTTP layer.
-        self.api = RouterAPI(self.pool, config, tokenizer, model_id, keys, RateLimiter(config.rate_limit))
+        self.api = RouterAPI(self.pool, config, tokenizer, model_id, keys, RateLimiter(config.rate_limit), adapters)
         self.servicer = LLMServicer(self.api)
         llm_pb2_grpc.add_LLMServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
@@ -104,6 +108,7 @@ class RouterServer:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
         await self.server.stop(grace)
+        await self.api.loras.close()
         await self.pool.close()
         await self.api.limiter.close()
 

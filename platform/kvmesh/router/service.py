@@ -57,3 +57,16 @@ class LLMServicer(llm_pb2_grpc.LLMServicer):
         except Exception as exc:
             await abort_with(context, exc)
         return llm_pb2.UncachePromptResponse()
+
+    async def LoadLoRAAdapter(self, request: llm_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext):
+        try:
+            return await self.api.load_lora_adapter(request, call_of(context))
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def UnloadLoRAAdapter(self, request: llm_pb2.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext):
+        try:
+            await self.api.unload_lora_adapter(request.lora_name, call_of(context))
+        except Exception as exc:
+            await abort_with(context, exc)
+        return llm_pb2.UnloadLoRAAdapterResponse()

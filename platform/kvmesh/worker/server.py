@@ -1,5 +1,12 @@
 """The worker's gRPC server (`kvmesh.v1.Worker`): an AsyncLLMEngine behind Generate,
-Prefill, Decode, PullKV and Stats, plus standard health checking and reflection.
+Prefill, Decode, PullKV, Stats and LoadLoRA / UnloadLoRA, plus standard health checking
+and reflection.
+
+LoRA: Generate / Prefill / Decode run under `request.lora` when set. An adapter this
+worker does not hold is loaded first when the request carries its path (load-on-miss:
+the router sends the path of every adapter it knows, so any worker it picks can serve
+it); without a path the adapter must be loaded already or be one of the engine's
+`lora.modules`, else the call fails with NOT_FOUND naming the adapter.
 
 Roles (prefill / decode / unified) are advertised in Stats and only steer the
 router; every worker answers every RPC. The engine is touched only by its step loop
@@ -33,7 +40,7 @@ from kvmesh.engine.async_engine import AsyncLLMEngine
 from kvmesh.engine.kv_events import KVEventLog
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.errors import InvalidRequestError
+from kvmesh.errors import InvalidRequestError, NotFoundError
 from kvmesh.rpc import (
     CHANNEL_OPTIONS,
     StatusError,
@@ -60,7 +67,7 @@ from kvmesh.worker.kv_transfer import (
     make_layout,
     pull_kv,
 )
-from kvmesh.worker.stats import WorkerCounters, stats_response
+from kvmesh.worker.stats import WorkerCounters, lora_info_proto, stats_response
 
 logger = logging.getLogger(__name__)
 
@@ -107,15 +114,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         # Stored / evicted block hashes, sent to routers that ask in Stats (their exact index).
         self.kv_events = KVEventLog(self.engine.kv_manager.pool)
+        # One load per adapter at a time: concurrent requests for an adapter not held yet wait
+        # for the first one's load instead of reading it from disk again.
+        self._lora_locks: dict[str, asyncio.Lock] = {}
 
     # -- helpers ------------------------------------------------------------
 
     async def _stream(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                      engine_id: str, span=None) -> AsyncIterator[llm_pb2.GenerateResponse]:
+                      engine_id: str, span=None, lora: str | None = None
+                      ) -> AsyncIterator[llm_pb2.GenerateResponse]:
         """Run a request and stream its deltas, every choice's (n > 1) with its index; leaving
         early aborts it (frees blocks)."""
         num_logprobs: dict[int, int] = {}  # per choice: logprobs sent so far
-        async for out in self.aengine.generate(prompt, params, request_id=engine_id):
+        async for out in self.aengine.generate(prompt, params, request_id=engine_id, lora=lora):
             lps = out.outputs[0].logprobs
             sent = num_logprobs.get(out.index, 0)
             new = len(lps) - sent if lps is not None else 0
@@ -137,6 +148,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if params.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs", f"{rpc} does not compute prompt logprobs; send such "
                                                          "requests to Generate")
+
+    def _holds_lora(self, name: str) -> bool:
+        return any(i.name == name and i.loaded for i in self.aengine.list_loras())
+
+    async def _lora(self, ref: llm_pb2.LoRARef | None) -> str | None:
+        """The adapter a request runs under (None: the base model), loaded first when this
+        worker does not hold it and `ref` says where it lives (load-on-miss)."""
+        if ref is None or not ref.name:
+            return None
+        if not self.engine.lora_enabled:
+            raise InvalidRequestError("lora", f"adapter {ref.name!r} was asked for, but worker {self.address} "
+                                              "serves no LoRA adapters; start it with --enable-lora")
+        if self._holds_lora(ref.name):
+            return ref.name
+        if ref.path:
+            async with self._lora_locks.setdefault(ref.name, asyncio.Lock()):
+                if not self._holds_lora(ref.name):
+                    logger.info("loading LoRA adapter %s from %s on first use", ref.name, ref.path)
+                    await self.aengine.load_lora(ref.name, ref.path)
+            return ref.name
+        modules = self.engine.config.lora.modules if self.engine.config.lora is not None else []
+        if any(m.name == ref.name for m in modules):
+            return ref.name  # a start-up adapter: the engine reads it on first use
+        raise NotFoundError("lora", f"LoRA adapter {ref.name!r} is not loaded on worker {self.address} and the "
+                                    "request gives no path; load it first (LoadLoRA) or set lora.path")
 
     def _check_healthy(self) -> None:
         """Refuse new work while the engine is unhealthy (UNAVAILABLE: the router skips
@@ -182,9 +218,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 self._check_healthy()
                 params = dataclasses.replace(params_from_proto(request.params), cache_salt=request.cache_salt)
+                lora = await self._lora(request.lora if request.HasField("lora") else None)
                 request, compression = await compress_request(request, self.engine.tokenizer)
                 prompt = prompt_from_request(request)
-                async for msg in self._stream(prompt, params, rid, f"{rid}-{uuid.uuid4().hex[:8]}", span):
+                async for msg in self._stream(prompt, params, rid, f"{rid}-{uuid.uuid4().hex[:8]}", span, lora):
                     if compression is not None and msg.HasField("usage"):
                         msg.usage.original_prompt_tokens = compression.original_prompt_tokens
                     yield msg
@@ -201,12 +238,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._check_healthy()
                 params = dataclasses.replace(params_from_proto(request.params), cache_salt=request.cache_salt)
                 self._check_disaggregable(params, "Prefill")
+                lora = await self._lora(request.lora if request.HasField("lora") else None)
                 prompt = list(request.prompt_token_ids)
                 # Hold the KV only if a decode will follow: more tokens wanted and room left.
                 hold = params.max_tokens > 1 and len(prompt) + 1 < self.engine.max_model_len
                 first_params = dataclasses.replace(params, max_tokens=1)
                 final, num_lp = None, 0
-                async for out in self.aengine.generate(prompt, first_params, request_id=engine_id, hold_kv=hold):
+                async for out in self.aengine.generate(prompt, first_params, request_id=engine_id, hold_kv=hold,
+                                                       lora=lora):
                     if out.finished:
                         final = out
                         if out.held_block_ids is not None:  # register before any await: never leak
@@ -296,13 +335,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                                             "first token); finish max_tokens=1 requests at prefill")
                 prompt = list(request.prompt_token_ids) + [request.first_token_id]
                 self.engine.validate_prompt_ids(prompt)
+                lora = await self._lora(request.lora if request.HasField("lora") else None)
                 if request.transfer_id and request.source_address:
                     await self._pull(request, engine_id, context, span)
                 rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1)
                 if params.structured_outputs is not None:  # the grammar goes on from prefill's first token
                     rest.structured_outputs = dataclasses.replace(
                         params.structured_outputs, prefilled_output_ids=(request.first_token_id,))
-                async for msg in self._stream(prompt, rest, rid, engine_id, span):
+                async for msg in self._stream(prompt, rest, rid, engine_id, span, lora):
                     yield msg
             except grpc.aio.AbortError:
                 raise
@@ -367,6 +407,45 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not released:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"cache_id {request.cache_id!r} is not cached here")
         return llm_pb2.UncachePromptResponse()
+
+    async def LoadLoRA(self, request: worker_pb2.LoadLoRARequest, context: grpc.aio.ServicerContext):
+        """Read an adapter into host memory (off the step loop); idempotent for the same
+        name and path."""
+        try:
+            ref = request.lora
+            if not ref.name:
+                raise InvalidRequestError("lora.name", "required: the name requests select the adapter by")
+            if not ref.path:
+                raise InvalidRequestError("lora.path", "required: the PEFT adapter folder to load")
+            if not self.engine.lora_enabled:
+                raise InvalidRequestError("lora", f"worker {self.address} serves no LoRA adapters; start it "
+                                                  "with --enable-lora")
+            async with self._lora_locks.setdefault(ref.name, asyncio.Lock()):
+                info = await self.aengine.load_lora(ref.name, ref.path)
+            logger.info("LoRA adapter %s loaded from %s (rank %d)", info.name, info.path, info.rank)
+            return lora_info_proto(info)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def UnloadLoRA(self, request: worker_pb2.UnloadLoRARequest, context: grpc.aio.ServicerContext):
+        """Drop an adapter; INVALID_ARGUMENT while requests run under it, `unloaded` False
+        when it was not loaded."""
+        try:
+            if not request.name:
+                raise InvalidRequestError("name", "required: the adapter to unload")
+            if not self.engine.lora_enabled:
+                return worker_pb2.UnloadLoRAResponse(unloaded=False)
+            unloaded = await self.aengine.unload_lora(request.name)
+            if unloaded:
+                self._lora_locks.pop(request.name, None)
+                logger.info("LoRA adapter %s unloaded", request.name)
+            return worker_pb2.UnloadLoRAResponse(unloaded=unloaded)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
 
     async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext):
         ok, why = self.aengine.health()

@@ -1,11 +1,28 @@
 """A worker's counters since start and its Stats reply (what the router polls: load,
-free KV blocks, cached block hashes, transfer and cache-source counters, speculation)."""
+free KV blocks, cached block hashes, transfer and cache-source counters, speculation,
+the LoRA adapters it holds)."""
 
 from __future__ import annotations
 
 from kvmesh._proto import worker_pb2
 from kvmesh.engine.engine import LLMEngine
+from kvmesh.engine.lora import LoRAInfo
 from kvmesh.engine.outputs import RequestOutput
+
+
+def lora_info_proto(info: LoRAInfo) -> worker_pb2.LoRAInfo:
+    return worker_pb2.LoRAInfo(name=info.name, path=info.path, rank=info.rank, key=info.key,
+                               resident=info.resident, num_requests=info.num_requests)
+
+
+def fill_lora_stats(resp: worker_pb2.StatsResponse, eng: LLMEngine) -> None:
+    """LoRA: whether this worker serves adapters, its device slots, and the adapters it holds
+    in host memory (the router's adapter table and lora_affinity scorer read them)."""
+    lora = eng.config.lora
+    if lora is None or not eng.lora_enabled:
+        return
+    resp.lora_enabled, resp.max_loras, resp.max_lora_rank = True, lora.max_loras, lora.max_lora_rank
+    resp.loras.extend(lora_info_proto(i) for i in eng.list_loras() if i.loaded)
 
 
 class WorkerCounters:
@@ -34,7 +51,7 @@ def stats_response(eng: LLMEngine, role: str, address: str, model_id: str, c: Wo
     """A worker's StatsResponse from its engine and counters (call between engine steps)."""
     stats, hashes = eng.stats(), eng.kv_manager.pool.cached_block_hashes(max_block_hashes)
     spec = eng.config.speculative
-    return worker_pb2.StatsResponse(
+    resp = worker_pb2.StatsResponse(
         role=role, address=address, model_id=model_id,
         model_fingerprint=eng.fingerprint, block_size=eng.config.cache.block_size,
         max_model_len=eng.max_model_len, num_waiting=int(stats["num_waiting"]),
@@ -55,3 +72,5 @@ def stats_response(eng: LLMEngine, role: str, address: str, model_id: str, c: Wo
         spec_proposed_tokens=int(stats.get("spec_proposed_tokens", 0)),
         spec_accepted_tokens=int(stats.get("spec_accepted_tokens", 0)),
     )
+    fill_lora_stats(resp, eng)
+    return resp
