@@ -173,7 +173,7 @@ class RouterSpec(WorkloadSpec):
 
     resources: ResourcesSpec = Field(default_factory=_router_resources)
     scorers: list[ScorerSpec] | None = Field(
-        None, description="Weighted scorers; unset keeps kvmesh's defaults (prefix 2, queue 1, kv_free 0.5).")
+        None, description="Weighted scorers; unset keeps kvmesh's defaults (prefix 2, queue 1, kv_free 0.5, lora_affinity 1).")
     pd_threshold_tokens: int = _mirror(RouterConfig, "pd_threshold_tokens")
 
 

@@ -50,6 +50,9 @@ class FakeBackend:
     async def list_models(self) -> llm_pb2.ListModelsResponse:
         return llm_pb2.ListModelsResponse(models=[llm_pb2.ModelInfo(id=self.model_id, max_model_len=MAX_MODEL_LEN)])
 
+    async def model_ids(self) -> list[str]:
+        return [m.id for m in (await self.list_models()).models]
+
     async def max_model_len(self) -> int:
         return MAX_MODEL_LEN
 

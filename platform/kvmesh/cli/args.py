@@ -44,7 +44,7 @@ _NAMES: dict[tuple[str, ...], list[str]] = {
 }
 
 
-def _lora_module(text: str) -> dict[str, str]:
+def lora_module_arg(text: str) -> dict[str, str]:
     """`name=path` or `{"name": ..., "path": ...}` (vLLM's two spellings of --lora-modules)."""
     text = text.strip()
     if text.startswith("{"):
@@ -110,7 +110,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for flag in engine_flags():
         field, kind = kinds[flag.path]
         if flag.path == (_LORA, "modules"):
-            group.add_argument(*flag.options, dest=flag.dest, type=_lora_module, nargs="+", default=argparse.SUPPRESS,
+            group.add_argument(*flag.options, dest=flag.dest, type=lora_module_arg, nargs="+", default=argparse.SUPPRESS,
                                metavar="NAME=PATH", help=f"{field.description} Each as name=path or as JSON "
                                '{"name": ..., "path": ...}; implies --enable-lora.')
             continue

@@ -15,7 +15,7 @@ import logging
 from kvmesh.build import build_worker
 from kvmesh.chat.config import ChatConfig
 from kvmesh.checkpoint.files import load_tokenizer, resolve_model_path
-from kvmesh.cli.args import add_chat_args, add_engine_args, chat_overrides, engine_config
+from kvmesh.cli.args import add_chat_args, add_engine_args, chat_overrides, engine_config, lora_module_arg
 from kvmesh.config import EngineConfig, TracingConfig
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.registry import StaticRegistry
@@ -98,6 +98,9 @@ def add_router_parser(sub) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default=None,
                    help="PEM CA: require client certificates it signed (mutual TLS on the public endpoints)")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module_arg, default=[], metavar="NAME=PATH",
+                   help="LoRA adapters served from start-up (the workers' --lora-modules), each as name=path or "
+                        'JSON {"name": ..., "path": ...}; more load at run time (POST /v1/load_lora_adapter)')
     add_chat_args(p)
     p.set_defaults(func=cmd_router)
 
@@ -141,10 +144,11 @@ def cmd_router(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(resolve_model_path(args.model, progress=False))
     tls = router_tls(args)
     chat = ChatConfig(**chat_overrides(args))
+    adapters = [(m["name"], m["path"]) for m in args.lora_modules]
 
     async def run() -> None:
         router = RouterServer(StaticRegistry(args.worker), tokenizer, config, args.model_id, args.host, args.port,
-                              metrics_port=args.metrics_port, tls=tls)
+                              metrics_port=args.metrics_port, tls=tls, adapters=adapters)
         http = None
 
         async def start() -> None:

@@ -9,7 +9,7 @@ import secrets
 import signal
 import time
 
-from kvmesh.cli.args import add_chat_args, add_engine_args, chat_overrides, engine_overrides
+from kvmesh.cli.args import add_chat_args, add_engine_args, chat_overrides, engine_config
 from kvmesh.rpc.internal_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from kvmesh.serve.config import ServingConfig
 from kvmesh.serve.local import serve_local
@@ -53,15 +53,8 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
     """`kvmesh serve` flags (+ --config FILE) -> ServingConfig."""
     cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
     data = cfg.model_dump()
-    overrides = engine_overrides(args)
-    if overrides:
-        spec = overrides.get("speculative")
-        if spec is not None:
-            merged = {**(cfg.engine.speculative.model_dump() if cfg.engine.speculative else {}), **spec}
-            if "method" not in merged:
-                raise ValueError("speculative: set --speculative METHOD (ngram or draft) to use speculative decoding")
-            overrides["speculative"] = merged
-        data["engine"] = cfg.engine.with_overrides(**overrides).model_dump()
+    # The engine flags on top of the file's engine (speculative and LoRA merged, --enable-lora included).
+    data["engine"] = engine_config(args, cfg.engine).model_dump()
     for flag, key in (("host", "host"), ("port", "grpc_port"), ("http_port", "http_port"),
                       ("transfer_ttl", "transfer_ttl_s")):
         if getattr(args, flag) is not None:

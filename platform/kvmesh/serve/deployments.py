@@ -175,8 +175,10 @@ async def _start_router(registry: GcsRegistry, tokenizer, cfg: ServingConfig, mi
     sec = cfg.security
     tls = TLSFiles(cert_file=sec.tls_cert_file, key_file=sec.tls_key_file,
                    client_ca_file=sec.tls_client_ca_file) if sec.tls else None
+    adapters = [(m.name, m.path) for m in cfg.engine.lora.modules] if cfg.engine.lora is not None else []
     router = RouterServer(registry, tokenizer, cfg.router.config, cfg.model_id, cfg.host, cfg.grpc_port, tls=tls,
-                          auth=InternalAuth.load(sec.internal_token_file), loopback=cfg.http_ingress == "ray_proxy")
+                          auth=InternalAuth.load(sec.internal_token_file), loopback=cfg.http_ingress == "ray_proxy",
+                          adapters=adapters)
     await router.start(wait_workers_s=300, min_workers=min_workers)
     return router
 

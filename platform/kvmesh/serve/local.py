@@ -24,6 +24,7 @@ Ctrl-C / SIGTERM stops the router first, then the workers (SIGTERM, then SIGKILL
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -202,6 +203,9 @@ def router_args(cfg: ServingConfig, worker_addresses: list[str], http: bool) -> 
             "--model-id", cfg.model_id, "--config-json", cfg.router.config.model_dump_json()]
     if cfg.engine.model.model:
         args += ["--model", cfg.engine.model.model]
+    if cfg.engine.lora is not None and cfg.engine.lora.modules:
+        # The router serves the start-up adapters by name (the workers get them in their config).
+        args += ["--lora-modules", *(json.dumps(m.model_dump()) for m in cfg.engine.lora.modules)]
     if http:
         args += ["--http-port", str(cfg.http_port), *cfg.chat.cli_flags()]
     if cfg.tracing.otlp_endpoint:

@@ -1,6 +1,6 @@
 """The OpenAI-compatible FastAPI app: `create_app(get_backend, metrics)` assembles the
 routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/tokenize`,
-`/detokenize`, `/health`, `/metrics`),
+`/detokenize`, `/health`, `/metrics`, and vLLM's `/v1/load_lora_adapter` / `/v1/unload_lora_adapter`),
 the OpenAI-shaped error handlers (bad bodies become a 400 naming the field) and, when
 `KVMESH_API_KEY` is set, the bearer-key check on `/v1/*`. Every error is OpenAI-shaped,
 FastAPI's own 404 / 405 / body errors and unexpected exceptions included; request
@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvmesh.chat import ChatConfig
 from kvmesh.errors import KVMeshError
 from kvmesh.rpc.auth import ApiKeys
-from kvmesh.serve.openai import chat, completions, responses, tokenize
+from kvmesh.serve.openai import chat, completions, lora, responses, tokenize
 from kvmesh.serve.openai.backend import CLIENT_AUTHORIZATION, Backend
 from kvmesh.serve.openai.generation import BackendSource
 from kvmesh.serve.openai.limits import BodySizeLimit, HTTPLimits, body_too_large_cause, too_large
@@ -66,6 +66,8 @@ def create_app(get_backend: Callable[[], Backend | None], metrics: MetricsRender
     app.add_api_route("/v1/completions", completions.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat.chat_completions, methods=["POST"])
     app.add_api_route("/v1/responses", responses.responses, methods=["POST"])
+    app.add_api_route("/v1/load_lora_adapter", lora.load_lora_adapter, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", lora.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/tokenize", tokenize.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", tokenize.detokenize, methods=["POST"])
     return app
@@ -103,7 +105,8 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(err.body(), status_code=500)
 
 
-# Routes behind the API key: the OpenAI API and the tokenizer routes (health, metrics, docs stay open).
+# Routes behind the API key: the OpenAI API (LoRA load / unload included) and the tokenizer routes
+# (health, metrics, docs stay open).
 _KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
@@ -142,8 +145,10 @@ async def models(request: Request):
     except KVMeshError as e:
         raise APIError.of(e) from None
     now = int(time.time())
+    # vLLM's shape: a LoRA adapter's `parent` is the base model, its `root` the adapter's path.
     return {"object": "list", "data": [
-        {"id": m.id, "object": "model", "created": now, "owned_by": "kvmesh", "max_model_len": m.max_model_len}
+        {"id": m.id, "object": "model", "created": now, "owned_by": "kvmesh", "root": m.root or m.id,
+         "parent": m.parent or None, "max_model_len": m.max_model_len}
         for m in resp.models]}
 
 

@@ -17,6 +17,7 @@ fails with a typed `KVMeshError` (the field as data), whichever way it went.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 
@@ -38,6 +39,10 @@ from kvmesh.telemetry import tracing
 # checks it again and derives the tenant (cache salt, rate-limit bucket) from it.
 CLIENT_AUTHORIZATION: ContextVar[str | None] = ContextVar("kvmesh_client_authorization", default=None)
 
+# How long a backend reuses the router's model list (base model + LoRA adapters) to check
+# a request's `model`; a load or unload through this backend refreshes it at once.
+MODELS_TTL_S = 1.0
+
 
 class Backend:
     """What the HTTP routes need of the router (subclasses say how they reach it): the
@@ -48,6 +53,7 @@ class Backend:
         self.model_id = model_id
         self.timeout_s = timeout_s
         self._max_model_len = 0
+        self._models: tuple[float, list[str]] | None = None  # (monotonic time, ids) of the last ListModels
         self.metadata = bearer_metadata(ApiKeys.from_env().service_key)  # the router checks the same keys
 
     def chat_prompt_ids(self, messages: list[ChatMessage], tools: ToolSet | None = None,
@@ -108,6 +114,27 @@ class Backend:
     async def list_models(self) -> llm_pb2.ListModelsResponse:
         raise NotImplementedError
 
+    async def model_ids(self) -> list[str]:
+        """What a request's `model` may name: the base model and every LoRA adapter
+        (the router's list, reused for MODELS_TTL_S)."""
+        now = time.monotonic()
+        if self._models is None or now - self._models[0] > MODELS_TTL_S:
+            self._models = (now, [m.id for m in (await self.list_models()).models])
+        return self._models[1]
+
+    def _admin_call(self) -> tuple[tuple[str, str], ...]:
+        """Metadata of an admin call: the HTTP caller's API key, else the service key."""
+        self._models = None  # the adapters change: the next request reads the list again
+        client = CLIENT_AUTHORIZATION.get()
+        return (("authorization", client),) if client else self.metadata
+
+    async def load_lora_adapter(self, name: str, path: str) -> llm_pb2.LoadLoRAAdapterResponse:
+        """Load a LoRA adapter on the workers and serve it under `name`."""
+        raise NotImplementedError
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        raise NotImplementedError
+
     async def tokenize(self, text: str) -> list[int]:
         """The router's tokenization of `text` (its tokenizer, its prompt-size limit)."""
         raise NotImplementedError
@@ -145,6 +172,16 @@ class InProcessBackend(Backend):
     async def list_models(self) -> llm_pb2.ListModelsResponse:
         return self.api.list_models()
 
+    async def model_ids(self) -> list[str]:
+        return [m.id for m in self.api.list_models().models]  # in-process: always current
+
+    async def load_lora_adapter(self, name: str, path: str) -> llm_pb2.LoadLoRAAdapterResponse:
+        request = llm_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
+        return await self.api.load_lora_adapter(request, Call(self._admin_call(), self.timeout_s))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self.api.unload_lora_adapter(name, Call(self._admin_call(), self.timeout_s))
+
     async def tokenize(self, text: str) -> list[int]:
         return await self.api.tokenize(text)
 
@@ -171,6 +208,20 @@ class GrpcBackend(Backend):
     async def list_models(self) -> llm_pb2.ListModelsResponse:
         try:
             return await self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=10, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of_rpc(exc) from None
+
+    async def load_lora_adapter(self, name: str, path: str) -> llm_pb2.LoadLoRAAdapterResponse:
+        request = llm_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
+        try:
+            return await self.stub.LoadLoRAAdapter(request, timeout=self.timeout_s, metadata=self._admin_call())
+        except grpc.aio.AioRpcError as exc:
+            raise error_of_rpc(exc) from None
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        request = llm_pb2.UnloadLoRAAdapterRequest(lora_name=name)
+        try:
+            await self.stub.UnloadLoRAAdapter(request, timeout=self.timeout_s, metadata=self._admin_call())
         except grpc.aio.AioRpcError as exc:
             raise error_of_rpc(exc) from None
 

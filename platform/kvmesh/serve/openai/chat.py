@@ -70,14 +70,14 @@ class ChatGeneration:
     original_tokens: int | None  # the prompt's length before compression (None: not compressed)
 
     def request(self, rid: str, body: ChatRequest) -> llm_pb2.GenerateRequest:
-        return build_request(rid, self.ids, self.params, body)
+        return build_request(rid, self.ids, self.params, body, self.model)
 
 
 async def prepare_chat(b: Backend, body: ChatRequest, request: Request) -> ChatGeneration:
     """Check `body` and build its generation: tools, template, compression, max_tokens
     default; a 400 naming the field when something is wrong."""
     body.check_unsupported()
-    model = check_model(b, body.model)
+    model = await check_model(b, body.model)
     if body.max_completion_tokens is not None and body.max_tokens is None:
         body.max_tokens = body.max_completion_tokens
     check_prompt_chars(limits_of(request), sum(len(m.text()) for m in body.messages), "messages")

@@ -52,7 +52,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.echo and body.compression is not None:
         raise APIError(400, "echo returns the prompt as sent, which compression would rewrite; use one of them",
                        param="echo")
-    model = check_model(b, body.model)
+    model = await check_model(b, body.model)
     params = body.to_proto(body.logprobs, default_max_tokens=16)
     if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
         params.prompt_logprobs = body.logprobs  # the echoed prompt's tokens carry logprobs too
@@ -71,7 +71,7 @@ async def completions(body: CompletionRequest, request: Request):
         texts = [p if isinstance(p, str) else b.decode(p) for p in prompts]
         prompts = [await asyncio.to_thread(b.encode, p) if isinstance(p, str) else p for p in prompts]
         echo = _Echo(b, prompts, texts, body)
-    reqs = [build_request(f"{cid}-{i}", p, params, body) for i, p in enumerate(prompts)]
+    reqs = [build_request(f"{cid}-{i}", p, params, body, model) for i, p in enumerate(prompts)]
     if not body.stream:
         return await until_disconnected(request, _complete(b, body, reqs, head, echo))
     return await stream_response(_events(b, body, reqs, head, echo))

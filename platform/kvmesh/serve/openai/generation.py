@@ -44,11 +44,20 @@ class BackendSource:
         return request.app.state.kvmesh_backends
 
 
-def check_model(b: Backend, model: str | None) -> str:
-    if model and model != b.model_id:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{b.model_id}`",
-                       "not_found_error", param="model", code="model_not_found")
-    return b.model_id
+async def check_model(b: Backend, model: str | None) -> str:
+    """The model a body names: the base model (also when unset) or a LoRA adapter the
+    router serves; anything else is OpenAI's 404 `model_not_found`, naming what is served."""
+    if not model or model == b.model_id:
+        return b.model_id
+    try:
+        ids = await b.model_ids()
+    except KVMeshError as e:
+        raise APIError.of(e) from None
+    if model in ids:
+        return model
+    served = ", ".join(f"`{m}`" for m in ids or [b.model_id])
+    raise APIError(404, f"The model `{model}` does not exist; this server serves {served}",
+                   "not_found_error", param="model", code="model_not_found")
 
 
 def compression_options(body: SamplingFields) -> CompressionOptions | None:
@@ -62,8 +71,9 @@ def compression_options(body: SamplingFields) -> CompressionOptions | None:
 
 
 def build_request(rid: str, prompt: str | list[int], params: llm_pb2.SamplingParams,
-                  body: SamplingFields) -> llm_pb2.GenerateRequest:
-    req = llm_pb2.GenerateRequest(request_id=rid, params=params, cache_salt=body.cache_salt or "")
+                  body: SamplingFields, model: str = "") -> llm_pb2.GenerateRequest:
+    """`model`: the base model or a LoRA adapter (the router resolves it)."""
+    req = llm_pb2.GenerateRequest(request_id=rid, params=params, cache_salt=body.cache_salt or "", model=model)
     if isinstance(prompt, str):
         req.prompt = prompt
     else:

@@ -47,7 +47,7 @@ class DetokenizeRequest(BaseModel):
 # POST /tokenize and /detokenize, registered by create_app (no docstrings: FastAPI would publish them).
 async def tokenize(body: TokenizeRequest, request: Request):
     b = BackendSource.of(request).require()
-    check_model(b, body.model)
+    await check_model(b, body.model)
     limits = limits_of(request)
     if body.messages is not None:
         check_prompt_chars(limits, sum(len(m.text()) for m in body.messages), "messages")
@@ -63,7 +63,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 
 async def detokenize(body: DetokenizeRequest, request: Request):
     b = BackendSource.of(request).require()
-    check_model(b, body.model)
+    await check_model(b, body.model)
     vocab = b.vocab_size
     bad = next((t for t in body.tokens if t >= vocab), None)
     if bad is not None:
