@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 
 from kvmesh._proto import llm_pb2
-from kvmesh.errors import InvalidRequestError
+from kvmesh.errors import InvalidRequestError, NotFoundError
+from kvmesh.router.lora import check_adapter
 from kvmesh.rpc import params_from_proto, prompt_from_request
 
 VOCAB = 384
@@ -49,6 +50,13 @@ class FakeBackend:
 
     async def list_models(self) -> llm_pb2.ListModelsResponse:
         return llm_pb2.ListModelsResponse(models=[llm_pb2.ModelInfo(id=self.model_id, max_model_len=MAX_MODEL_LEN)])
+
+    async def load_lora_adapter(self, name: str, path: str) -> llm_pb2.LoadLoRAAdapterResponse:
+        check_adapter(name, path, self.model_id)  # the router's own checks of the name and path
+        return llm_pb2.LoadLoRAAdapterResponse(lora_name=name, rank=8, workers=["fake:1"])
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        raise NotFoundError("lora_name", f"LoRA adapter {name!r} is not loaded")
 
     async def model_ids(self) -> list[str]:
         return [m.id for m in (await self.list_models()).models]
