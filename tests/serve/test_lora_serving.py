@@ -75,9 +75,15 @@ def adapter(tiny_llama, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama, adapter):
+def adapter2(tiny_llama, tmp_path_factory):
+    return make_adapter(tiny_llama, tmp_path_factory.mktemp("lora-chat"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, adapter, adapter2):
     return {"base": peft_greedy(tiny_llama, None, PROMPT, MAX_NEW),
-            "lora": peft_greedy(tiny_llama, adapter, PROMPT, MAX_NEW)}
+            "lora": peft_greedy(tiny_llama, adapter, PROMPT, MAX_NEW),
+            "lora2": peft_greedy(tiny_llama, adapter2, PROMPT, MAX_NEW)}
 
 
 @pytest.fixture(scope="module")
@@ -174,9 +180,20 @@ def test_worker_lora_rpcs_and_load_on_miss(stack, adapter, reference):
     _assert_idle(loop, workers)
 
 
+def _models(url, expected_ids, timeout_s: float = 10.0):
+    """/v1/models once the router's view has caught up (adapters loaded or unloaded on a
+    worker directly reach it with the next Stats poll)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        if [m["id"] for m in models] == expected_ids or time.monotonic() > deadline:
+            return models
+        time.sleep(0.05)
+
+
 def test_http_lora_lifecycle_through_the_router(stack, adapter, reference):
     loop, workers, r, _, url = stack
-    models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+    models = _models(url, ["kvmesh"])
     assert [m["id"] for m in models] == ["kvmesh"] and models[0]["parent"] is None
 
     loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": adapter}, timeout=120)
@@ -272,3 +289,40 @@ def test_the_one_command_server_passes_the_lora_config_on(adapter):
     assert [json.loads(e) for e in entries] == [{"name": "sql", "path": adapter}]
     parsed = parser.parse_args(args[args.index("router") :])
     assert parsed.lora_modules == [{"name": "sql", "path": adapter}]
+
+
+def test_requests_for_two_adapters_and_the_base_model_run_together(stack, adapter, adapter2, reference):
+    """Concurrent requests under two adapters and the base model, through the router: each
+    equals its own peft reference; a worker asked for other weights under a held name
+    (the router's path changed) loads them instead of serving the old ones."""
+    import asyncio
+
+    loop, workers, r, _, _ = stack
+    call = Call(timeout_s=120)
+    for name, path in (("a1", adapter), ("a2", adapter2)):
+        loop.run(r.api.load_lora_adapter(llm_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path), call),
+                 timeout_s=120)
+
+    async def tokens(model):
+        req = llm_pb2.GenerateRequest(prompt_token_ids=PROMPT, params=_greedy(), model=model)
+        return [t async for m in r.api.generate(req, Call(timeout_s=120)) for t in m.token_ids]
+
+    async def together():
+        return await asyncio.gather(*(tokens(m) for m in ("a1", "a2", "", "a1", "a2")))
+
+    got = loop.run(together(), timeout_s=300)
+    assert got == [reference["lora"], reference["lora2"], reference["base"], reference["lora"], reference["lora2"]]
+
+    w = workers[1]
+
+    async def replaced():
+        async with w.auth.channel(w.address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            req = llm_pb2.GenerateRequest(prompt_token_ids=PROMPT, params=_greedy(),
+                                          lora=llm_pb2.LoRARef(name="a1", path=adapter2))
+            return [t async for m in stub.Generate(req, timeout=60) for t in m.token_ids]
+
+    assert loop.run(replaced(), timeout_s=120) == reference["lora2"]
+    for name in ("a1", "a2"):
+        loop.run(r.api.unload_lora_adapter(name, call), timeout_s=60)
+    _assert_idle(loop, workers)

@@ -16,9 +16,9 @@ snapshots), never concurrently with a step.
 Built by `kvmesh.build.build_worker`; run one with `kvmesh worker --role decode --port 50061
 --model DIR`.
 
-Over ~400 lines on purpose: each RPC is a short handler, and the P/D pair (Prefill,
+Over ~500 lines on purpose: each RPC is a short handler, and the P/D pair (Prefill,
 PullKV with its GPU handle path, ReleaseKV, Decode's pull and fallbacks) shares the
-transfer table and health checks; counters and the Stats reply live in worker/stats.py,
+transfer table and health checks, and the LoRA RPCs share load-on-miss with them; counters and the Stats reply live in worker/stats.py,
 the transports in worker/kv_transfer.py and worker/gpu_kv_transfer.py.
 """
 
@@ -149,8 +149,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidRequestError("prompt_logprobs", f"{rpc} does not compute prompt logprobs; send such "
                                                          "requests to Generate")
 
-    def _holds_lora(self, name: str) -> bool:
-        return any(i.name == name and i.loaded for i in self.aengine.list_loras())
+    def _held_lora_path(self, name: str) -> str | None:
+        """The path of the adapter held under `name` in host memory, or None."""
+        return next((i.path for i in self.aengine.list_loras() if i.name == name and i.loaded), None)
 
     async def _lora(self, ref: llm_pb2.LoRARef | None) -> str | None:
         """The adapter a request runs under (None: the base model), loaded first when this
@@ -160,11 +161,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not self.engine.lora_enabled:
             raise InvalidRequestError("lora", f"adapter {ref.name!r} was asked for, but worker {self.address} "
                                               "serves no LoRA adapters; start it with --enable-lora")
-        if self._holds_lora(ref.name):
+        held = self._held_lora_path(ref.name)
+        if held is not None and (not ref.path or held == ref.path):
             return ref.name
-        if ref.path:
+        if ref.path:  # not here, or other weights under the name (replaced if none of its requests runs)
             async with self._lora_locks.setdefault(ref.name, asyncio.Lock()):
-                if not self._holds_lora(ref.name):
+                if self._held_lora_path(ref.name) != ref.path:
                     logger.info("loading LoRA adapter %s from %s on first use", ref.name, ref.path)
                     await self.aengine.load_lora(ref.name, ref.path)
             return ref.name
