@@ -18,6 +18,7 @@ from kvmesh import SamplingParams
 from kvmesh.build import build_engine
 from kvmesh.errors import ConfigError, InvalidRequestError
 from kvmesh.layers import lora as lora_layers
+from kvmesh.layers import native
 
 MAX_NEW = 8
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
@@ -121,11 +122,30 @@ def test_mixed_batch_matches_peft(llama_lora):
             if rnd == 1 and len(first[i]) >= 8:
                 assert cached[rid] > 0, f"prompt {i} under {name} missed its own round-1 blocks"
     assert engine.executor.lora.loads > 3  # 3 adapters through 2 slots: refilled
+    backends = {layer.backend for layer in engine.executor.lora._layers.values()}
+    assert backends == ({"cpu"} if native.loaded() else {"torch"})  # the SGMV kernel where it built
     assert engine.num_free_blocks == engine.num_usable_blocks
     # The adapters change the output: each differs from the base model on some prompt.
     base_tokens = {i: hf_greedy(refs[None], p, MAX_NEW) for i, p in enumerate(first)}
     for name in adapters:
         assert any(hf_greedy(refs[name], p, MAX_NEW) != base_tokens[i] for i, p in enumerate(first)), name
+
+
+def test_pytorch_path_without_native_kernels(llama_lora):
+    """cpu_kernels off: the per-segment addmm path and the reference attention."""
+    torch.set_num_threads(1)
+    base, adapters = llama_lora
+    engine = _engine(base, adapters, block_size=8, num_blocks=128, max_loras=3, cpu_kernels=False,
+                     attention_backend="torch")
+    prompts = _prompts(384, (6, 23, 11, 30))
+    jobs = list(zip(prompts, [None, *adapters]))
+    tokens, logits, _ = run(engine, jobs)
+    assert {layer.backend for layer in engine.executor.lora._layers.values()} == {"torch"}
+    for i, (prompt, name) in enumerate(jobs):
+        ref = peft_reference(base, adapters.get(name))
+        assert tokens[f"r{i}"] == hf_greedy(ref, prompt, MAX_NEW), name
+        assert_logits_close(torch.stack(logits[f"r{i}"]).float(), hf_step_logits(ref, prompt, tokens[f"r{i}"]))
+    assert engine.num_free_blocks == engine.num_usable_blocks
 
 
 def test_prefix_cache_never_shares_blocks_across_adapters(llama_lora):
