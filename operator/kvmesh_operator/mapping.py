@@ -17,8 +17,15 @@ from pydantic import ValidationError
 
 from kvmesh.serve.config import ServingConfig
 from kvmesh_operator.quantity import parse_quantity
-from kvmesh_operator.spec import (MODEL_MOUNT, LLMServiceSpec, SpecError, WorkloadSpec, check_name, format_errors,
-                                  pvc_claims_of)
+from kvmesh_operator.spec import (
+    MODEL_MOUNT,
+    LLMServiceSpec,
+    SpecError,
+    WorkloadSpec,
+    check_name,
+    format_errors,
+    pvc_claims_of,
+)
 
 REDIS_PORT = 6379
 TLS_MOUNT = "/etc/kvmesh/tls"

@@ -27,8 +27,14 @@ import yaml
 
 from kvmesh.serve.config import ServingConfig
 from kvmesh_operator import GROUP, security
-from kvmesh_operator.mapping import (REDIS_PORT, pvc_claims, ray_resource, redis_service_name, router_user_config,
-                                     to_serving_config)
+from kvmesh_operator.mapping import (
+    REDIS_PORT,
+    pvc_claims,
+    ray_resource,
+    redis_service_name,
+    router_user_config,
+    to_serving_config,
+)
 from kvmesh_operator.quantity import parse_quantity, ray_cpus
 from kvmesh_operator.spec import MODEL_MOUNT, LLMServiceSpec, ResourcesSpec, WorkloadSpec
 
