@@ -8,8 +8,8 @@ import copy
 
 import pytest
 import yaml
-
 from k8s_helpers import validate_schema
+
 from kvmesh.config import LoRAConfig
 from kvmesh_operator import status as st
 from kvmesh_operator.render import Target, render_all
