@@ -25,7 +25,7 @@ from kvmesh.engine.engine import LLMEngine
 from kvmesh.engine.interfaces import ModelInfo
 from kvmesh.engine.kv_cache_manager import blocks_per_request
 from kvmesh.engine.outputs import RequestOutput
-from kvmesh.errors import ConfigError
+from kvmesh.errors import ConfigError, InvalidRequestError
 from kvmesh.kvstore import BlockCodec, create_store
 from kvmesh.kvstore.codec import load_mac_key
 from kvmesh.models.arch import ArchConfig
@@ -37,6 +37,7 @@ from kvmesh.worker.executor import Executor, Proposer
 from kvmesh.worker.gpu_kv_transfer import GpuTransport, build_gpu_kv
 from kvmesh.worker.kv_connector import StoreConnector
 from kvmesh.worker.kv_transfer import PulledKVLoader
+from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.model_runner import DTYPES, KVCacheSpec, ModelRunner
 from kvmesh.worker.server import WorkerServer, WorkerServerConfig
 from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
@@ -106,9 +107,10 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     eos_ids = _eos_token_ids(path, tokenizer, arch)
     # Structured outputs: grammars over this tokenizer, EOS as their stop tokens (worker/structured.py).
     grammar = GrammarMasks(GrammarCompiler(tokenizer, arch.vocab_size, eos_ids))
+    lora = _build_lora(config, model, device, dtype)
     runner = ModelRunner(model, arch, cc.block_size, num_blocks, device, seed=mc.seed,
                          attention_backend=config.attention_backend, cuda_graph_max_batch=graph_batch,
-                         max_model_len=max_model_len, kernels=config.kernels, grammar=grammar)
+                         max_model_len=max_model_len, kernels=config.kernels, grammar=grammar, lora=lora)
     proposer = None
     if config.speculative is not None:
         proposer = _build_proposer(config, config.speculative, path, model, arch, max_model_len, num_blocks)
@@ -185,6 +187,20 @@ def _staging_bytes(parts: EngineParts) -> int:
     spec, bs = parts.executor.runner.spec, parts.config.cache.block_size
     per_prompt = -(-parts.info.max_model_len // bs) * spec.bytes_per_block
     return min(4 * per_prompt, _GPU_STAGING_MAX_BYTES)
+
+
+def _build_lora(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> LoRAManager | None:
+    """The adapter store of a multi-LoRA engine, with `--lora-modules` read now (as many as
+    host memory holds): a bad folder fails the start-up, naming it."""
+    if config.lora is None:
+        return None
+    manager = LoRAManager(model, config.lora, device, dtype)
+    for module in config.lora.modules[: manager.capacity]:
+        try:
+            manager.add(module.name, module.path, manager.read(module.name, module.path))
+        except InvalidRequestError as exc:
+            raise ConfigError(f"lora.modules: adapter {module.name!r}: {exc.reason}") from None
+    return manager
 
 
 def _config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvmesh.engine.engine import LLMEngine, pin_request_id
+from kvmesh.engine.lora import LoRAInfo
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import EngineDeadError, InvalidRequestError, StepFailedError
@@ -65,7 +66,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._on_outputs = on_outputs
         self._queues: dict[str, asyncio.Queue] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, str | None, bool]] = []
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, str | None, bool, str | None]] = []
         self._pending_aborts: set[str] = set()
         # Callables to run on the loop thread between steps (see run_between_steps).
         self._pending_calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
@@ -94,6 +95,7 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         hold_kv: bool = False,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request. Validation errors raise before streaming.
 
@@ -102,6 +104,8 @@ class AsyncLLMEngine:
 
         `hold_kv`: see LLMEngine.add_request; free the blocks with
         `run_between_steps(lambda: engine.release_kv(request_id))`.
+        `lora`: the adapter's name (loaded, or a `--lora-modules` one, read now off the step
+        loop); None: the base model.
         """
         self._ensure_loop()
         params = params or SamplingParams()
@@ -117,9 +121,11 @@ class AsyncLLMEngine:
             ids, text = list(prompt), None
         self.engine.validate_prompt_ids(ids)
         self.engine.validate_params(params, hold_kv)
+        if lora:
+            await self._ensure_lora(lora)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._pending_adds.append((request_id, ids, params, text, hold_kv))
+        self._pending_adds.append((request_id, ids, params, text, hold_kv, lora or None))
         self._wakeup.set()
         finished = False
         unfinished = params.n
@@ -192,6 +198,36 @@ class AsyncLLMEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    # -- LoRA adapters (see LLMEngine) -------------------------------------------
+
+    async def _ensure_lora(self, name: str) -> None:
+        """Validate a request's adapter; read a configured one not in host memory yet."""
+        host = self.engine.lora_host()
+        if host.get(name) is not None:
+            return
+        path = self.engine.configured_lora_path(name)
+        if path is None:
+            self.engine.lora_request(name)  # raises: not loaded, naming the loaded ones
+        await self.load_lora(name, path)
+
+    async def load_lora(self, name: str, path: str) -> LoRAInfo:
+        """Read a PEFT adapter folder on a worker thread (never stalling the steps), then
+        hold it between steps. Idempotent for the same name and path."""
+        host = self.engine.lora_host()
+        info = host.get(name)
+        if info is not None and info.path == path:
+            return info
+        loaded = await asyncio.to_thread(host.read, name, path)
+        return await self.run_between_steps(lambda: self.engine.add_lora(name, path, loaded))
+
+    async def unload_lora(self, name: str) -> bool:
+        """Drop an adapter; False if it was not loaded; InvalidRequestError while requests use it."""
+        self.engine.lora_host()
+        return await self.run_between_steps(lambda: self.engine.unload_lora(name))
+
+    def list_loras(self) -> list[LoRAInfo]:
+        return self.engine.list_loras()
+
     async def abort(self, request_id: str) -> None:
         self._pending_aborts.add(request_id)
         if self._wakeup is not None:
@@ -249,11 +285,11 @@ class AsyncLLMEngine:
             except Exception as exc:
                 results.append((False, exc))
         add_errors = []
-        for rid, ids, params, text, hold_kv in adds:
+        for rid, ids, params, text, hold_kv, lora in adds:
             if rid in aborts:
                 continue
             try:
-                self.engine.add_request(rid, ids, params, prompt_text=text, hold_kv=hold_kv)
+                self.engine.add_request(rid, ids, params, prompt_text=text, hold_kv=hold_kv, lora=lora)
             except Exception as exc:  # validated already; defensive, never kill the loop
                 add_errors.append((rid, exc))
         if aborts:

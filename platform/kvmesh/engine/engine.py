@@ -15,12 +15,13 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.interfaces import KVConnector, KVLoader, ModelExecutor, ModelInfo
 from kvmesh.engine.kv_cache_manager import KVCacheManager
+from kvmesh.engine.lora import LoRAHost, LoRAInfo, LoRARequest
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput, SchedulerOutput, TokenLogprobs
 from kvmesh.engine.prompt_cache import PinnedPrompts
 from kvmesh.engine.request import Request, RequestStatus
@@ -100,8 +101,11 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(executor.num_blocks, cc.block_size, model.fingerprint,
                                          cc.enable_prefix_caching, sliding_window=window)
         self.kv_connector = kv_connector
+        # Multi-LoRA: the worker's adapter store (worker/lora.py), when config.lora is set.
+        self.lora: LoRAHost | None = getattr(executor, "lora", None) if config.lora is not None else None
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_seqs, sc.max_num_batched_tokens, model.max_model_len,
-                                   kv_loader=kv_loader if kv_loader is not None else kv_connector)
+                                   kv_loader=kv_loader if kv_loader is not None else kv_connector,
+                                   max_loras=self.lora.max_loras if self.lora is not None else None)
         self._states: dict[str, _OutputState] = {}
         # n > 1: request id -> the scheduler ids of its unfinished choices (abort takes all).
         self._groups: dict[str, list[str]] = {}
@@ -164,6 +168,7 @@ class LLMEngine:
         prompt_text: str | None = None,
         hold_kv: bool = False,
         original_prompt_tokens: int | None = None,
+        lora: str | LoRARequest | None = None,
     ) -> str:
         """Validate, tokenize and queue a request; returns its id.
 
@@ -171,7 +176,8 @@ class LLMEngine:
         with its text in the outputs. With `hold_kv` the request's KV blocks outlive it
         (see RequestOutput.held_block_ids) until `release_kv(request_id)`.
         `original_prompt_tokens`: the prompt was compressed (kvmesh.compress) from this many
-        tokens; outputs' metrics then carry it.
+        tokens; outputs' metrics then carry it. `lora`: the adapter to run under, by name
+        (loaded, or one of config.lora.modules, which is loaded now); None: the base model.
         """
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
@@ -183,6 +189,7 @@ class LLMEngine:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt_ids(ids)
         self.validate_params(params, hold_kv)
+        lora_req = self.lora_request(lora)
         if hold_kv:
             self._check_held_fits(len(ids), params.max_tokens)
         if params.structured_outputs is not None:
@@ -191,7 +198,8 @@ class LLMEngine:
         if any(r in self._states for r in rids[1:]):
             raise InvalidRequestError("request_id", f"{request_id!r} clashes with a choice of another request")
         reqs = [Request(rid, ids, params.for_choice(i) if params.n > 1 else params, self.eos_token_id, prompt=text,
-                        arrival_time=arrival_time, eos_token_ids=self.eos_token_ids) for i, rid in enumerate(rids)]
+                        arrival_time=arrival_time, eos_token_ids=self.eos_token_ids, lora=lora_req)
+                for i, rid in enumerate(rids)]
         reqs[0].hold_kv = hold_kv
         self.scheduler.add_request(reqs[0], reqs[1:])
         prompt_lps = [] if params.prompt_logprobs is not None else None
@@ -204,6 +212,87 @@ class LLMEngine:
         if params.n > 1:
             self._groups[request_id] = rids
         return request_id
+
+    # -- LoRA adapters ------------------------------------------------------
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora is not None
+
+    def lora_host(self) -> LoRAHost:
+        if self.lora is None:
+            raise InvalidRequestError("lora", "this server has LoRA off; start it with --enable-lora (and "
+                                              "--lora-modules name=path) to serve adapters")
+        return self.lora
+
+    def configured_lora_path(self, name: str) -> str | None:
+        """The path of a `--lora-modules` adapter named `name`, else None."""
+        lc = self.config.lora
+        return next((m.path for m in lc.modules if m.name == name), None) if lc is not None else None
+
+    def lora_request(self, lora: str | LoRARequest | None) -> LoRARequest | None:
+        """The adapter a request names, loading a configured (`--lora-modules`) one now."""
+        if lora is None or lora == "":
+            return None
+        name = lora.name if isinstance(lora, LoRARequest) else lora
+        host = self.lora_host()
+        info = host.get(name)
+        if info is None:
+            path = self.configured_lora_path(name)
+            if path is None:
+                known = ", ".join(sorted(i.name for i in host.adapters())) or "none"
+                raise InvalidRequestError("lora", f"adapter {name!r} is not loaded (loaded: {known}); load it first "
+                                          "(POST /v1/load_lora_adapter, or --lora-modules at start-up)")
+            info = self.load_lora(name, path)
+        if isinstance(lora, LoRARequest) and lora.key and lora.key != info.key:
+            raise InvalidRequestError("lora", f"adapter {name!r} was reloaded with other weights; resend the request")
+        host.touch(name)
+        return LoRARequest(info.name, info.key)
+
+    def _busy_loras(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for req in list(self.scheduler.requests.values()):  # a snapshot: servers read it off the step thread
+            if req.lora is not None:
+                counts[req.lora.name] = counts.get(req.lora.name, 0) + 1
+        return counts
+
+    def load_lora(self, name: str, path: str) -> LoRAInfo:
+        """Read a PEFT adapter folder and hold it under `name` (on this thread; servers use
+        AsyncLLMEngine.load_lora, which reads off the step loop). Idempotent for the same
+        path; another path under a loaded name replaces it only while nothing runs under it."""
+        host = self.lora_host()
+        info = host.get(name)
+        if info is not None and info.path == path:
+            return info
+        return self.add_lora(name, path, host.read(name, path))
+
+    def add_lora(self, name: str, path: str, loaded: object) -> LoRAInfo:
+        """Hold an adapter `LoRAHost.read` returned (the step-thread half of load_lora)."""
+        host = self.lora_host()
+        info = host.get(name)
+        if info is not None and info.path == path:
+            return info
+        busy = self._busy_loras()
+        if name in busy:
+            raise InvalidRequestError("lora_name", f"adapter {name!r} has {busy[name]} request(s) in flight; "
+                                      "load the new weights under another name, or retry when they finish")
+        return host.add(name, path, loaded, frozenset(busy))
+
+    def unload_lora(self, name: str) -> bool:
+        """Drop an adapter (host memory and device slot); False if it was not loaded."""
+        host = self.lora_host()
+        busy = self._busy_loras()
+        if name in busy:
+            raise InvalidRequestError("lora_name", f"adapter {name!r} has {busy[name]} request(s) in flight; "
+                                      "retry when they finish")
+        return host.remove(name)
+
+    def list_loras(self) -> list[LoRAInfo]:
+        """Every adapter in host memory, with its waiting and running requests counted."""
+        if self.lora is None:
+            return []
+        busy = self._busy_loras()
+        return [replace(i, num_requests=busy.get(i.name, 0)) for i in self.lora.adapters()]
 
     def validate_params(self, params: SamplingParams, hold_kv: bool = False) -> None:
         """What SamplingParams cannot check alone: limits of this model and engine."""

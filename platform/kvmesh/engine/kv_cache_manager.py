@@ -90,7 +90,8 @@ class KVCacheManager:
 
     def update_block_hashes(self, request: Request) -> None:
         request.block_hashes = block_hashes(
-            request.all_token_ids, self.block_size, self.fingerprint, request.block_hashes, request.cache_salt
+            request.all_token_ids, self.block_size, self.fingerprint, request.block_hashes, request.cache_salt,
+            request.lora_key,
         )
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:

@@ -47,8 +47,13 @@ class LoRAHost(Protocol):
         modules this model does not have)."""
         ...
 
-    def add(self, name: str, path: str, loaded: object) -> LoRAInfo:
-        """Hold a `read` adapter in host memory (evicting the least recently used idle one)."""
+    def add(self, name: str, path: str, loaded: object, busy: frozenset[str] = frozenset()) -> LoRAInfo:
+        """Hold a `read` adapter in host memory, evicting the least recently used adapter
+        not in `busy` (those with requests in flight) when it is full."""
+        ...
+
+    def touch(self, name: str) -> None:
+        """A request was queued under the adapter (its host-memory LRU order)."""
         ...
 
     def remove(self, name: str) -> bool:

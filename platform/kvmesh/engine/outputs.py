@@ -25,6 +25,8 @@ class ScheduledSeq:
     output_token_ids: list[int]
     # Draft tokens appended to token_ids for verification (the last len() of them).
     spec_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter the rows run under (None: the base model).
+    lora_name: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 
+from kvmesh.engine.lora import LoRARequest
 from kvmesh.engine.sampling_params import SamplingParams
 
 
@@ -42,6 +43,7 @@ class Request:
         prompt: str | None = None,
         arrival_time: float | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        lora: LoRARequest | None = None,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -60,6 +62,9 @@ class Request:
         # request's cache salt: prefix hits never cross salts (tenants).
         self.block_hashes: list[bytes] = []
         self.cache_salt = sampling_params.cache_salt
+        # The LoRA adapter the request runs under (None: the base model); its content key
+        # roots the block hashes too, so prefix hits never cross adapters.
+        self.lora = lora
         # Tokens served from the prefix cache when first scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
@@ -76,6 +81,14 @@ class Request:
         self.held_block_ids: list[int] | None = None
         # Choices 1.. of an n > 1 request fork choice 0's (`parent_id`'s) prompt blocks.
         self.parent_id: str | None = None
+
+    @property
+    def lora_key(self) -> str:
+        return self.lora.key if self.lora is not None else ""
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora.name if self.lora is not None else None
 
     @property
     def num_tokens(self) -> int:

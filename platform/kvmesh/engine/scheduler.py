@@ -15,6 +15,11 @@ caching) and join the running list having only the prompt's last partial block l
 compute. Choice 0 is admitted only when the batch has room for all n, so the forks never
 exceed max_num_seqs. After the fork each choice is an ordinary request: preempted, it
 frees its own references and recomputes like any other.
+
+Multi-LoRA (`max_loras`): the running requests use at most that many distinct adapters
+(the device slots one step can batch; base-model requests use none). A waiting request
+whose adapter would be one too many is passed over, keeping its place, and the requests
+behind it are admitted as usual; it runs once an adapter's requests drain.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         kv_loader: KVLoader | None = None,
+        max_loras: int | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
@@ -69,6 +75,7 @@ class Scheduler:
         self.num_preemptions = 0
         # KV computed elsewhere (shared store, prefill worker), consulted at admission.
         self.kv_loader = kv_loader
+        self.max_loras = max_loras
 
     # -- queue management -------------------------------------------------
 
@@ -196,8 +203,14 @@ class Scheduler:
 
         # Admitting while preempting would just thrash.
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
+            adapters = {r.lora_name for r in self.running if r.lora is not None}
+            idx = 0  # waiting[:idx] were passed over (their adapter would exceed max_loras)
+            while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[idx]
+                if (self.max_loras is not None and req.lora is not None and req.lora_name not in adapters
+                        and len(adapters) >= self.max_loras):
+                    idx += 1
+                    continue
                 if len(self.running) + self._seats_reserved() + self._seats_needed(req) > self.max_num_seqs:
                     break
                 prefix = self.kv.get_computed_blocks(req)
@@ -216,7 +229,9 @@ class Scheduler:
                     if got < num_ext:  # fault mid-load: compute the rest ourselves
                         num_new = min(num_new + num_ext - got, budget)
                         num_ext = got
-                self.waiting.popleft()
+                del self.waiting[idx]
+                if req.lora is not None:
+                    adapters.add(req.lora_name)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
                 req.num_computed_tokens = prefix.num_tokens + num_ext
@@ -240,6 +255,7 @@ class Scheduler:
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=req.output_token_ids,
                     spec_token_ids=spec,
+                    lora_name=req.lora_name,
                 )
             )
             # Tokens count as computed once scheduled; the step that runs them is

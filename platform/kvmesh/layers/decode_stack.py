@@ -6,7 +6,8 @@ which) and calls it first in its forward: it returns the hidden states when the 
 run as the one op, else None (the model then loops over its layers). It can when:
 
 - the model's context runs the native CPU kernels and the step's attention backend is the
-  CPU paged one (`runs_decode_stack`), and the step is all decodes;
+  CPU paged one (`runs_decode_stack`), and the step is all decodes with no rows under a
+  LoRA adapter (layers/lora.py: the stack runs the base GEMMs only);
 - either it has at most SKINNY_KERNEL_ROWS tokens and every projection has a `stack_form`
   (a float32 / bf16 `Linear`, or, in a float32 model, an int8 / int4 `QuantLinear` on the
   native kernel), or it has a number of tokens in SMALL_GEMM_ROWS, the model is float32 and
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.layers import op
+from kvmesh.layers import lora, op
 from kvmesh.layers.attention import AttentionMetadata
 from kvmesh.layers.linear import SKINNY_KERNEL_ROWS, SMALL_GEMM_ROWS, STACK_DENSE
 from kvmesh.layers.norm import RMSNorm
@@ -84,7 +85,7 @@ class DecodeStack:
         """The gathered arguments when this step runs as the one op (see the module doc), else None."""
         t = h.shape[0]
         if (not self.enabled or not getattr(backend, "runs_decode_stack", False) or meta.prefills
-                or meta.num_decodes != t):
+                or meta.num_decodes != t or lora.active()):
             return None
         small = t > SKINNY_KERNEL_ROWS
         if small and not (SMALL_GEMM_ROWS[0] <= t <= SMALL_GEMM_ROWS[1] and h.dtype == torch.float32):

@@ -29,8 +29,10 @@ CPU GEMM paths (`forward_cpu`; which ones apply is fixed at bind time from the d
 - where oneDNN does not serve the dtype (or `onednn_linear` is off): `split_linear`.
 
 LoRA: `set_delta(fn)` makes the layer return `fn(x, y)` for its base output y (before the
-all-reduce of a row-parallel layer: each rank adds its shard's delta). A layer with a delta
-has no decode-stack form (the stack runs the bare GEMMs).
+all-reduce of a row-parallel layer: each rank adds its shard's delta). The delta stays set
+while adapters come and go (layers/lora.py); it is the identity on steps without adapter
+rows, so the layer keeps its decode-stack form, and the stack steps aside on steps with
+them (`lora.active()`).
 """
 
 from __future__ import annotations
@@ -249,9 +251,10 @@ class Linear(CustomOp):
 
     def stack_form(self) -> tuple[int, list[torch.Tensor]] | None:
         """How csrc/decode_stack.cpp runs this layer for up to SKINNY_KERNEL_ROWS rows:
-        (kind, tensors), or None where it cannot (no native kernel for the dtype, a LoRA
-        delta, a row-parallel reduce). Dense weights run the skinny GEMM, as `forward` does."""
-        if not self._skinny_rows or self._impl is not self._base or self.weight.device.type != "cpu":
+        (kind, tensors), or None where it cannot (no native kernel for the dtype, a
+        row-parallel reduce). Dense weights run the skinny GEMM, as `forward` does. A LoRA delta
+        does not matter here: the stack runs only steps without adapter rows."""
+        if not self._skinny_rows or self._reduce or self.weight.device.type != "cpu":
             return None
         return STACK_DENSE, [self.weight]
 

@@ -44,6 +44,7 @@ class QuantLinear(nn.Module):
         self._loaded: set[str] = set()
         self._bias_loaded: set[str] = set()
         self._fast: tuple | None = None  # see _forward_args
+        self.delta = None  # a LoRA delta(x, y), as Linear.set_delta (layers/lora.py)
         for name in ("qweight", "scales", "zeros", "mins", "bias", "perm"):
             self.register_buffer(name, None)
 
@@ -169,11 +170,18 @@ class QuantLinear(nn.Module):
         if args is None:
             args = self._fast = self._forward_args()
         is_int8, qweight, scales, offsets, mins, perm, bias, native_ok = args
-        if perm is not None:
-            x = x.index_select(-1, perm)
-        y = (int8_matmul(x, qweight, scales, native_ok) if is_int8
-             else int4_matmul(x, qweight, scales, offsets, mins, native_ok))
-        return y if bias is None else y + bias
+        xq = x if perm is None else x.index_select(-1, perm)
+        y = (int8_matmul(xq, qweight, scales, native_ok) if is_int8
+             else int4_matmul(xq, qweight, scales, offsets, mins, native_ok))
+        if bias is not None:
+            y = y + bias
+        return y if self.delta is None else self.delta(x, y)
+
+    def set_delta(self, delta) -> None:
+        """Add `delta(x, y)` to this layer's output (a LoRA adapter's, on the unpermuted input);
+        None removes it. The decode stack runs only steps where the delta adds nothing."""
+        self.delta = delta
+        fast_paths_changed()
 
     def stack_form(self) -> tuple[int, list[torch.Tensor]] | None:
         """How the decode_stack op (layers/csrc/decode_stack.cpp) runs this layer for up to

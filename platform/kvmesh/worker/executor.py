@@ -13,6 +13,7 @@ from kvmesh.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from kvmesh.engine.request import Request
 from kvmesh.engine.structured_outputs import StructuredOutputsParams
 from kvmesh.errors import InvalidRequestError
+from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
 
@@ -27,6 +28,11 @@ class Executor:
         self.block_size = runner.block_size
         self.proposer_method = proposer.method if proposer is not None else None
         self._draft_probs: dict[str, torch.Tensor | None] = {}
+
+    @property
+    def lora(self) -> LoRAManager | None:
+        """The engine's LoRAHost (engine/lora.py) when LoRA is on."""
+        return self.runner.lora
 
     @property
     def model(self) -> torch.nn.Module:

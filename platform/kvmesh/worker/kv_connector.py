@@ -125,7 +125,7 @@ class StoreConnector:
     def _update_hashes(self, request: Request) -> None:
         # The same chained hashes the engine's prefix cache computes (and caches on the request).
         request.block_hashes = block_hashes(request.all_token_ids, self.block_size, self.codec.fingerprint,
-                                            request.block_hashes, request.cache_salt)
+                                            request.block_hashes, request.cache_salt, request.lora_key)
 
     def pin_prompt(self, token_ids: list[int], block_ids: list[int]) -> list[bytes]:
         """Write the prompt's full blocks without TTL (synchronously, after queued writes)

@@ -14,13 +14,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvmesh.config import KernelConfig
 from kvmesh.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from kvmesh.layers.attention import SeqSpan, get_attention_backend
-from kvmesh.config import KernelConfig
 from kvmesh.layers.linear import prepack_linears
+from kvmesh.layers.lora import LoRABatch, lora_batch
 from kvmesh.models.arch import ArchConfig
 from kvmesh.worker.cuda_graphs import DecodeGraphs, GraphRecorder
 from kvmesh.worker.kv_memory import populate_in_background, zeroed_tensor
+from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.prompt_logprobs import compute_prompt_logprobs
 from kvmesh.worker.sampler import sample
 from kvmesh.worker.spec_decode import verify
@@ -49,11 +51,14 @@ class ModelRunner:
     def __init__(self, model, arch: ArchConfig, block_size: int, num_blocks: int,
                  device: torch.device, seed: int = 0, attention_backend: str = "auto",
                  cuda_graph_max_batch: int = 0, max_model_len: int = 0, graph_recorder: GraphRecorder | None = None,
-                 kernels: KernelConfig | None = None, grammar: GrammarMasks | None = None):
+                 kernels: KernelConfig | None = None, grammar: GrammarMasks | None = None,
+                 lora: LoRAManager | None = None):
         """`cuda_graph_max_batch` > 0 captures decode graphs up to that batch (CUDA, or any
         device with a `graph_recorder`, for tests); `max_model_len` bounds their contexts.
         `grammar` masks the logits of requests with structured outputs (worker/structured.py);
-        None ignores their specs (a draft model's runner: its drafts are checked by the target)."""
+        None ignores their specs (a draft model's runner: its drafts are checked by the target).
+        `lora`: the adapters of a multi-LoRA engine (worker/lora.py); rows of a step run under
+        their request's adapter (layers/lora.py)."""
         self.model = model
         prepack_linears(model)  # oneDNN's weight layout now, not on the first long prompt
         self.arch = arch
@@ -74,6 +79,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._req_generators: dict[str, torch.Generator] = {}
         self.grammar = grammar
+        self.lora = lora
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_batch and (device.type == "cuda" or graph_recorder is not None):
             self._capture_graphs(cuda_graph_max_batch, max_model_len, graph_recorder)
@@ -115,8 +121,15 @@ class ModelRunner:
             self.forget(rid)
         if sched.is_empty:
             return ModelRunnerOutput({}, logits={} if return_logits else None)
-        # Decodes first: the backend batches them as one attention call.
-        seqs = sorted(sched.seqs, key=lambda s: s.num_tokens != 1)
+        # Decodes first: the backend batches them as one attention call; within each kind,
+        # the rows of one LoRA adapter side by side (one segment per adapter).
+        slots = self._lora_slots(sched)
+        if slots:
+            seqs = sorted(sched.seqs, key=lambda s: (s.num_tokens != 1, slots.get(s.lora_name, -1)))
+            batch = LoRABatch.from_rows([(s.num_tokens, slots.get(s.lora_name, -1)) for s in seqs])
+        else:
+            seqs = sorted(sched.seqs, key=lambda s: s.num_tokens != 1)
+            batch = None
         num_decodes = sum(1 for s in seqs if s.num_tokens == 1)
         spans, ids, pos = [], [], []
         q_start = 0
@@ -130,13 +143,14 @@ class ModelRunner:
         # The grammar masks are filled on their own thread while the forward pass runs.
         masks = None if self.grammar is None else self.grammar.start([s for _, s in speculating],
                                                                      [s for _, s in sampling])
-        if self.graphs is not None and self.graphs.can_run(spans, num_decodes):
-            hidden = self.graphs.run(spans, ids)
+        if batch is None and self.graphs is not None and self.graphs.can_run(spans, num_decodes):
+            hidden = self.graphs.run(spans, ids)  # graphs hold the base model: no adapter rows
         else:
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             positions = torch.from_numpy(np.concatenate(pos)).to(self.device)
             meta = self.backend.build_metadata(spans, num_decodes)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            with lora_batch(batch):
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         out = ModelRunnerOutput({}, logits={} if return_logits else None)
         if any(s.sampling_params.prompt_logprobs is not None for s in seqs):
             out.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, spans, seqs)
@@ -177,6 +191,13 @@ class ModelRunner:
         if return_probs and probs is not None:
             out.probs = {s.request_id: probs[i] for i, s in enumerate(rows) if not s.sampling_params.greedy}
         return out
+
+    def _lora_slots(self, sched: SchedulerOutput) -> dict[str, int]:
+        """{adapter: device slot} for this step's adapters (filled now if not resident)."""
+        if self.lora is None:
+            return {}
+        names = {s.lora_name for s in sched.seqs if s.lora_name is not None}
+        return self.lora.prepare(names) if names else {}
 
     # -- KV block I/O (prefix store, P/D transfer) --------------------------
 
