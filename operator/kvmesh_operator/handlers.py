@@ -7,6 +7,8 @@ permanent (fixed by editing the spec, which triggers `update`); API trouble is t
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import datetime
 import logging
@@ -15,7 +17,7 @@ from typing import Any
 
 import kopf
 
-from kvmesh_operator import GROUP, PLURAL, VERSION, k8s, metrics, render, security
+from kvmesh_operator import GROUP, PLURAL, VERSION, k8s, metrics, probe, render, security
 from kvmesh_operator import status as st
 from kvmesh_operator.spec import SpecError, check_name, parse_spec
 
@@ -175,9 +177,36 @@ async def refresh_status(name: str, namespace: str, spec: kopf.Spec, status: kop
         raise kopf.TemporaryError(f"reading the RayService: {e}", delay=STATUS_INTERVAL_S) from None
     new = st.from_rayservice(t, rayservice, old, _now())
     ready = any(c["type"] == "Ready" and c["status"] == "True" for c in new["conditions"])
+    if t.spec.lora is not None:
+        models, problem = await _models(t, ready, _api(memo))
+        new = st.with_adapters(t, new, models, problem, old, _now())
+    else:
+        new = st.with_adapters(t, new, None, None, old, _now())
     metrics.READY.labels(namespace, name).set(1 if ready else 0)
     if st.changed(old, new):
         patch.status.update(new)
+
+
+async def _models(t: render.Target, ready: bool, api: k8s.Api
+                  ) -> tuple[dict[str, Any] | None, tuple[bool | None, str, str] | None]:
+    """(the router's /v1/models, None) or (None, AdaptersReady's (status, reason, message))."""
+    if not ready:
+        return None, (False, "ServiceNotReady", "the router does not serve yet")
+    if t.spec.tls is not None:
+        return None, (None, "NotProbed", "the operator does not probe TLS endpoints (it holds no client "
+                      "certificate or CA for them); GET /v1/models lists the adapters the router serves")
+    key = None
+    ref = t.spec.auth.api_key_secret_ref
+    if ref is not None:
+        try:
+            secret = await api.get("v1", "secrets", t.namespace, ref.name)
+            key = base64.b64decode(((secret or {}).get("data") or {})[ref.key]).decode()
+        except (k8s.ApiError, KeyError, binascii.Error, UnicodeDecodeError) as e:
+            return None, (False, "ProbeFailed", f"reading the API key {ref.name}/{ref.key}: {e!r}")
+    try:
+        return await probe.list_models(probe.base_url(t), key), None
+    except probe.ProbeError as e:
+        return None, (False, "ProbeFailed", str(e))
 
 
 @kopf.on.delete(*RESOURCE)

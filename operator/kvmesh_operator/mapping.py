@@ -17,7 +17,15 @@ from pydantic import ValidationError
 
 from kvmesh.serve.config import ServingConfig
 from kvmesh_operator.quantity import parse_quantity
-from kvmesh_operator.spec import MODEL_MOUNT, LLMServiceSpec, SpecError, WorkloadSpec, check_name, format_errors
+from kvmesh_operator.spec import (
+    MODEL_MOUNT,
+    LLMServiceSpec,
+    SpecError,
+    WorkloadSpec,
+    check_name,
+    format_errors,
+    pvc_claims_of,
+)
 
 REDIS_PORT = 6379
 TLS_MOUNT = "/etc/kvmesh/tls"
@@ -54,9 +62,7 @@ def resolve_uri(uri: str | None, field: str) -> str | None:
 
 def pvc_claims(spec: LLMServiceSpec) -> list[str]:
     """PersistentVolumeClaims the model URIs name, in order, without duplicates."""
-    uris = [spec.model.uri, spec.model.draft.uri if spec.model.draft else None]
-    claims = [u.removeprefix("pvc://").partition("/")[0] for u in uris if u and u.startswith("pvc://")]
-    return list(dict.fromkeys(claims))
+    return pvc_claims_of(spec.model)
 
 
 def redis_service_name(name: str) -> str:
@@ -95,10 +101,31 @@ def _engine(spec: LLMServiceSpec) -> dict[str, Any]:
         "prompt_cache": [{"name": p.name, "text": p.text, "token_ids": p.token_ids, "ttl_s": p.ttl_seconds}
                          for p in spec.prompt_cache],
     }
+    if spec.lora is not None:
+        # No modules: adapters reach the workers through the router at run time (router_user_config),
+        # so adding or removing one changes no worker's config.
+        engine["lora"] = {"max_loras": spec.lora.max_loras, "max_lora_rank": spec.lora.max_lora_rank,
+                          "max_cpu_loras": spec.lora.max_cpu_loras, "modules": []}
     if m.draft is not None:
         engine["speculative"] = {"method": m.draft.method, "model": resolve_uri(m.draft.uri, "spec.model.draft.uri"),
                                  "num_speculative_tokens": m.draft.num_speculative_tokens}
     return engine
+
+
+def adapters(spec: LLMServiceSpec) -> list[tuple[str, str]]:
+    """spec.adapters as (name, path inside the worker pods), in spec order."""
+    return [(a.name, resolve_uri(a.source, f"spec.adapters[{a.name}].source") or "") for a in spec.adapters]
+
+
+def router_user_config(spec: LLMServiceSpec) -> dict[str, Any] | None:
+    """The router deployment's Ray Serve `user_config`: what can change without restarting a replica.
+
+    Ray Serve calls `RouterDeployment.reconfigure` with it on every router replica, at start and
+    whenever it changes (an in-place update: no replica, and no worker, restarts). None while LoRA
+    is off; with LoRA on, an empty list unloads every adapter."""
+    if spec.lora is None:
+        return None
+    return {"adapters": [{"name": name, "path": path} for name, path in adapters(spec)]}
 
 
 def to_serving_config(spec: LLMServiceSpec, *, name: str = "kvmesh", namespace: str = "default") -> ServingConfig:
@@ -108,12 +135,17 @@ def to_serving_config(spec: LLMServiceSpec, *, name: str = "kvmesh", namespace: 
     custom resource; a managed Redis is reached through its Service's cluster DNS name.
     Raises SpecError when kvmesh's own config rejects the combination (e.g. float16 on CPU)."""
     check_name(name)
+    model_id = spec.model.name or name
+    for a in spec.adapters:
+        if a.name == model_id:
+            raise SpecError(f"spec.adapters: adapter name {a.name!r} is the base model's name (spec.model.name, "
+                            "else the LLMService name); clients select an adapter by its name, so give it another")
     router = _workload(spec.router, "router")
     router["config"] = {"pd_threshold_tokens": spec.router.pd_threshold_tokens}
     if spec.router.scorers is not None:
         router["config"]["scorers"] = [s.model_dump() for s in spec.router.scorers]
     data: dict[str, Any] = {
-        "name": name, "model_id": spec.model.name or name, "engine": _engine(spec), "router": router,
+        "name": name, "model_id": model_id, "engine": _engine(spec), "router": router,
         "decode": _workload(spec.decode, "decode"),
         "slo": {"ttft_s": spec.slo.ttft_seconds, "tpot_s": spec.slo.tpot_seconds,
                 "window_s": spec.slo.window_seconds},

@@ -5,7 +5,9 @@ the output is tested by schema validation alone. Owner references are added by t
 handlers (`kopf.adopt`). Objects, all named after the LLMService `<name>`:
 
     RayService  <name>          head group + one worker group per role (router, [prefill], decode);
-                                serveConfigV2 runs kvmesh.serve.app:build with the ServingConfig
+                                serveConfigV2 runs kvmesh.serve.app:build with the ServingConfig;
+                                spec.adapters go to the router deployment's user_config only
+                                (reconfigured in place: no worker template or config changes)
     ConfigMap   <name>-config   the ServingConfig as YAML (what the app runs; for people and tools)
     Service     <name>-grpc     :50051 -> router pods (kvmesh.v1.LLM gRPC)
     Service     <name>-http     :8000  -> router pods (Ray Serve's HTTP proxy, OpenAI API)
@@ -25,7 +27,14 @@ import yaml
 
 from kvmesh.serve.config import ServingConfig
 from kvmesh_operator import GROUP, security
-from kvmesh_operator.mapping import REDIS_PORT, pvc_claims, ray_resource, redis_service_name, to_serving_config
+from kvmesh_operator.mapping import (
+    REDIS_PORT,
+    pvc_claims,
+    ray_resource,
+    redis_service_name,
+    router_user_config,
+    to_serving_config,
+)
 from kvmesh_operator.quantity import parse_quantity, ray_cpus
 from kvmesh_operator.spec import MODEL_MOUNT, LLMServiceSpec, ResourcesSpec, WorkloadSpec
 
@@ -178,19 +187,26 @@ def worker_group(t: Target, group: str, w: WorkloadSpec) -> dict[str, Any]:
 
 # --- objects ----------------------------------------------------------------------------------
 
-def serve_config(cfg: ServingConfig) -> dict[str, Any]:
+def serve_config(cfg: ServingConfig, router_user_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ray Serve's config (serveConfigV2): one application built from the ServingConfig.
 
     `args` carries the config without placement and `deployments` the per-role replica
     counts / autoscaling / resources (ServingConfig.ray_serve_application), so a changed
-    replica count scales in place instead of replacing every replica."""
+    replica count scales in place instead of replacing every replica. `router_user_config`
+    (the LoRA adapters, mapping.router_user_config) goes on the router deployment only: a
+    change reconfigures the router replicas in place and touches no worker deployment."""
+    app = cfg.ray_serve_application(APP_IMPORT_PATH)
+    if router_user_config is not None:
+        for d in app["deployments"]:
+            if d["name"] == "router":
+                d["user_config"] = router_user_config
     return {
         # The -http Service selects the router pods. The operator's configs use http_ingress
         # 'ray_proxy' (see mapping.to_serving_config): a proxy on every pod forwards to the
         # router replicas. With 'router' each router replica would listen itself, no proxies.
         "proxy_location": cfg.proxy_location,
         "http_options": {"host": "0.0.0.0", "port": cfg.http_port, **_proxy_tls(cfg)},
-        "applications": [cfg.ray_serve_application(APP_IMPORT_PATH)],
+        "applications": [app],
     }
 
 
@@ -215,14 +231,18 @@ def rayservice(t: Target, cfg: ServingConfig) -> dict[str, Any]:
     return {
         "apiVersion": "ray.io/v1", "kind": "RayService",
         "metadata": _meta(t, child_names(t.name)["rayservice"], "rayservice"),
-        "spec": {"serveConfigV2": yaml.safe_dump(serve_config(cfg), sort_keys=False), "rayClusterConfig": cluster},
+        "spec": {"serveConfigV2": yaml.safe_dump(serve_config(cfg, router_user_config(t.spec)), sort_keys=False),
+                 "rayClusterConfig": cluster},
     }
 
 
 def configmap(t: Target, cfg: ServingConfig) -> dict[str, Any]:
-    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    data = {"serving.yaml": yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)}
+    user_config = router_user_config(t.spec)
+    if user_config is not None:  # the router's user_config (for people and tools; no pod mounts it)
+        data["router-user-config.yaml"] = yaml.safe_dump(user_config, sort_keys=False)
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(t, child_names(t.name)["configmap"], "config"),
-            "data": {"serving.yaml": text}}
+            "data": data}
 
 
 def _router_service(t: Target, key: str, port: dict[str, Any]) -> dict[str, Any]:

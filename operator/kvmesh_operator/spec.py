@@ -14,10 +14,10 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvmesh.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kvmesh.config import CacheConfig, LoRAConfig, LoRAModule, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvmesh.router.config import RouterConfig, ScorerWeight
 from kvmesh.router.plugins import PLUGINS
 from kvmesh.serve.config import Autoscaling, KVStoreConfig, SLOTargets, TracingConfig
@@ -262,8 +262,86 @@ class HeadSpec(_Spec):
                                      description="Ray head pod (GCS, Serve controller, HTTP proxy).")
 
 
+def _string_constraints(model: type[BaseModel], field: str) -> dict[str, Any]:
+    """pattern / min_length / max_length of `model.field` (kvmesh's own config), for a Field."""
+    out: dict[str, Any] = {}
+    for meta in model.model_fields[field].metadata:
+        for key in ("pattern", "min_length", "max_length"):
+            if getattr(meta, key, None) is not None:
+                out[key] = getattr(meta, key)
+    return out
+
+
+_ADAPTER_NAME = _string_constraints(LoRAModule, "name")
+ADAPTER_SOURCE_PATTERN = r"^(/|file:///|pvc://[^/]+/)"
+"""The adapter sources a worker can read: the CRD's pattern (the validator below explains)."""
+
+
+class LoRASpec(_Spec):
+    """Multi-LoRA serving on every worker: requests for different adapters share each step.
+    Set (even `lora: {}`) = on. A change here changes the workers' engine and restarts them;
+    spec.adapters never does."""
+
+    model_config = ConfigDict(**_Spec.model_config,
+                              json_schema_extra=_cel(
+                                  '!has(self.maxCpuLoras) || self.maxCpuLoras >= self.maxLoras',
+                                  'lora.maxCpuLoras must be >= lora.maxLoras'))
+
+    max_loras: int = _mirror(LoRAConfig, "max_loras")
+    max_lora_rank: int = _mirror(LoRAConfig, "max_lora_rank")
+    max_cpu_loras: int | None = _mirror(
+        LoRAConfig, "max_cpu_loras",
+        description="Adapters each worker keeps in host memory (an LRU; the others are read again from "
+        "their source on first use); unset = maxLoras.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LoRASpec":
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("lora.maxCpuLoras must be >= lora.maxLoras")
+        return self
+
+
+class AdapterSpec(_Spec):
+    """A LoRA adapter (a PEFT folder): clients select it by sending its name as the OpenAI `model`."""
+
+    name: str = Field(description="The OpenAI `model` name that selects the adapter.",
+                      json_schema_extra={"pattern": _ADAPTER_NAME["pattern"],
+                                         "minLength": _ADAPTER_NAME.get("min_length", 1),
+                                         "maxLength": _ADAPTER_NAME.get("max_length", 128)})
+    source: str = Field(
+        description="Where the workers read the adapter folder: an absolute path in the image or a mounted "
+        "volume (/models/adapters/sql), file:///path, or pvc://<claim>/<path> on a claim spec.model already "
+        "mounts. kvmesh never downloads adapters.", json_schema_extra={"pattern": ADAPTER_SOURCE_PATTERN})
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        lo, hi = _ADAPTER_NAME.get("min_length", 1), _ADAPTER_NAME.get("max_length", 128)
+        if not (lo <= len(v) <= hi) or not re.fullmatch(_ADAPTER_NAME["pattern"], v):
+            raise ValueError(f"adapter name {v!r}: use {lo}-{hi} letters, digits or '._:/-' (clients send it "
+                             "as the OpenAI `model`)")
+        return v
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        if not re.match(ADAPTER_SOURCE_PATTERN, v):
+            scheme = v.partition("://")[0] + "://" if "://" in v else "a relative path"
+            if scheme == "pvc://":
+                raise ValueError(f"adapter source {v!r}: give pvc://<claim>/<path to the adapter folder>")
+            raise ValueError(f"adapter source {v!r}: the workers cannot read {scheme}; kvmesh never downloads "
+                             "adapters. Copy the adapter folder into the image or the model volume and give an "
+                             "absolute path (/models/adapters/sql), file:///path or pvc://<claim>/<path>")
+        return v
+
+
 class LLMServiceSpec(_Spec):
     """An LLM served by kvmesh on a KubeRay RayService. Giving `prefill` disaggregates prefill and decode."""
+
+    model_config = ConfigDict(**_Spec.model_config,
+                              json_schema_extra=_cel(
+                                  'has(self.lora) || !has(self.adapters) || size(self.adapters) == 0',
+                                  'spec.adapters needs spec.lora (lora: {} turns LoRA on with its defaults)'))
 
     image: str | None = Field(None, description="kvmesh runtime image; defaults to the operator's.")
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -279,6 +357,39 @@ class LLMServiceSpec(_Spec):
     auth: AuthSpec = Field(default_factory=AuthSpec)
     tls: TLSSpec | None = Field(None, description="Serve gRPC and HTTP over TLS; unset: plaintext (TLS "
                                 "terminated elsewhere, e.g. at a Gateway).")
+    lora: LoRASpec | None = Field(None, description="Multi-LoRA serving on the workers (`lora: {}` for the "
+                                  "defaults); unset = off. Changing it restarts the workers.")
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list, description="LoRA adapters the router serves (needs spec.lora). Adding, changing "
+        "or removing one reconfigures the router in place: it loads / unloads the adapter on the running "
+        "workers, which are not restarted.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapters(cls, v: list[AdapterSpec], info: ValidationInfo) -> list[AdapterSpec]:
+        if not v:
+            return v
+        if "lora" in info.data and info.data["lora"] is None:  # (absent: lora itself is invalid)
+            raise ValueError("adapters need spec.lora: add `lora: {}` (LoRA on with its defaults) or set "
+                             "lora.maxLoras / maxLoraRank. Turning LoRA on changes the workers and restarts them "
+                             "once; adapters alone never restart them")
+        names = [a.name for a in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"adapter names must be unique; repeated: {', '.join(dup)}")
+        model = info.data.get("model")
+        mounted = set(pvc_claims_of(model)) if model is not None else set()
+        for a in v:
+            if a.source.startswith("pvc://"):
+                claim = a.source.removeprefix("pvc://").partition("/")[0]
+                if claim not in mounted:
+                    have = f"spec.model mounts {', '.join(sorted(mounted))}" if mounted else \
+                        "spec.model mounts no claim"
+                    raise ValueError(f"adapter {a.name!r}: source {a.source!r} is on claim {claim!r}, which the "
+                                     f"workers do not mount ({have}). Mounting a new volume restarts the workers: "
+                                     "put adapters on the model's claim or in the image")
+        return v
 
     @property
     def mode(self) -> Literal["unified", "disaggregated"]:
@@ -291,6 +402,13 @@ class LLMServiceSpec(_Spec):
             groups["prefill"] = self.prefill
         groups["decode"] = self.decode
         return groups
+
+
+def pvc_claims_of(model: ModelSpec) -> list[str]:
+    """PersistentVolumeClaims the model URIs name, in order, without duplicates."""
+    uris = [model.uri, model.draft.uri if model.draft else None]
+    claims = [u.removeprefix("pvc://").partition("/")[0] for u in uris if u and u.startswith("pvc://")]
+    return list(dict.fromkeys(claims))
 
 
 # --- parsing ------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
-"""`LLMService.status`: conditions (Ready / Progressing / Degraded), endpoints and per-role
-replicas, computed purely from the spec, the previous status and the RayService's status.
+"""`LLMService.status`: conditions (Ready / Progressing / Degraded, and AdaptersReady while
+spec.lora is set), endpoints, per-role replicas and per-adapter state, computed purely from
+the spec, the previous status, the RayService's status and the router's `/v1/models`
+(`probe` fetches it).
 
 Two writers, one owner per reason: the reconcile handler reports spec and apply problems
 (`RECONCILE_REASONS`); the status timer reports serving health from KubeRay and leaves
@@ -13,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from kvmesh_operator.mapping import adapters as spec_adapters
 from kvmesh_operator.render import Target, endpoints
 
 RECONCILE_REASONS = frozenset({"InvalidSpec", "ApplyFailed", "ApplyRejected", "KubeRayMissing"})
@@ -24,7 +27,7 @@ class _Status(BaseModel):
 
 
 class Condition(_Status):
-    type: Literal["Ready", "Progressing", "Degraded"]
+    type: Literal["Ready", "Progressing", "Degraded", "AdaptersReady"]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(description="CamelCase cause, e.g. Serving, Deploying, InvalidSpec.")
     message: str = ""
@@ -53,6 +56,14 @@ class Roles(_Status):
     decode: RoleStatus | None = None
 
 
+class AdapterStatus(_Status):
+    name: str
+    loaded: bool = Field(description="The router lists the adapter in /v1/models, from the spec's source, "
+                         "on at least one worker.")
+    workers: int | None = Field(None, description="Workers holding the adapter, as the router reports it; "
+                                "unset: the router does not say.")
+
+
 class LLMServiceStatus(_Status):
     """Observed state of an LLMService."""
 
@@ -62,11 +73,13 @@ class LLMServiceStatus(_Status):
     conditions: list[Condition] = Field(default_factory=list)
     endpoints: Endpoints | None = Field(None, description="Set while Ready.")
     roles: Roles | None = None
+    adapters: list[AdapterStatus] | None = Field(None, description="spec.adapters as the router serves them "
+                                                 "(set while spec.lora is).")
 
 
-def _cond(kind: str, ok: bool, reason: str, message: str, generation: int | None,
+def _cond(kind: str, ok: bool | None, reason: str, message: str, generation: int | None,
           old: list[dict[str, Any]], now: str) -> dict[str, Any]:
-    status = "True" if ok else "False"
+    status = "Unknown" if ok is None else "True" if ok else "False"
     prev = next((c for c in old if c.get("type") == kind), None)
     since = prev.get("lastTransitionTime") if prev and prev.get("status") == status else None
     return Condition(type=kind, status=status, reason=reason, message=message, observed_generation=generation,
@@ -103,7 +116,17 @@ def applied(t: Target, generation: int | None, old: dict[str, Any] | None, now: 
     msg = "objects applied; waiting for the RayService to serve this generation"
     ready = (True, "Serving", "the previous generation serves") if was_ready else (False, "Deploying", msg)
     conditions = _conditions(old, generation, now, ready, (True, "Deploying", msg), (False, "AsExpected", ""))
+    if t.spec.lora is not None:
+        kept = _old_condition(old, "AdaptersReady")
+        same = [a.get("name") for a in (old or {}).get("adapters") or []] == [a.name for a in t.spec.adapters]
+        value = (True, kept["reason"], kept.get("message", "")) if same and kept.get("status") == "True" else \
+            (False, "Syncing", "the router loads the adapters of this generation")
+        conditions.append(_cond("AdaptersReady", *value, generation, (old or {}).get("conditions") or [], now))
     return {"observedGeneration": generation, "mode": t.spec.mode, "rayService": t.name, "conditions": conditions}
+
+
+def _old_condition(old: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    return next((c for c in (old or {}).get("conditions") or [] if c.get("type") == kind), {})
 
 
 def _deployments(rs_status: dict[str, Any], app: str) -> tuple[str | None, dict[str, dict[str, Any]]]:
@@ -164,6 +187,68 @@ def from_rayservice(t: Target, rayservice: dict[str, Any] | None, old: dict[str,
         degraded=why)
     return {"mode": t.spec.mode, "rayService": t.name, "conditions": conditions,
             "endpoints": endpoints(t) if ready else None, "roles": roles(t, deployments)}
+
+
+# --- adapters ------------------------------------------------------------------------------
+
+def _workers(entry: dict[str, Any]) -> int | None:
+    """An adapter's worker count from its /v1/models entry: `workers` as a count or a list of addresses."""
+    value = entry.get("workers")
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, list):
+        return len(value)
+    return None
+
+
+def with_adapters(t: Target, patch: dict[str, Any], models: dict[str, Any] | None,
+                  problem: tuple[bool | None, str, str] | None, old: dict[str, Any] | None,
+                  now: str) -> dict[str, Any]:
+    """`patch` (from from_rayservice) plus status.adapters and the AdaptersReady condition.
+
+    `models`: the router's /v1/models body (OpenAI list; an adapter's entry has its name as
+    `id`, vLLM's `parent` / `root` = the base model / the adapter's source, and optionally
+    `workers`, a count or a list); None with `problem` = (status, reason, message) when it
+    could not be read. Without spec.lora: no adapters and no AdaptersReady."""
+    out = dict(patch)
+    if t.spec.lora is None:
+        out["adapters"] = None
+        return out
+    wanted = spec_adapters(t.spec)
+    generation = (old or {}).get("observedGeneration")
+    if models is None:
+        previous = {a.get("name"): a for a in (old or {}).get("adapters") or []}
+        rows = [AdapterStatus.model_validate(previous[n]) if n in previous else AdapterStatus(name=n, loaded=False)
+                for n, _ in wanted]
+        value = problem or (False, "ServiceNotReady", "the router does not serve yet")
+    else:
+        entries = {e["id"]: e for e in models.get("data") or [] if isinstance(e, dict) and isinstance(e.get("id"), str)}
+        rows = []
+        for name, path in wanted:
+            e = entries.get(name)
+            workers = _workers(e) if e is not None else 0
+            root = (e or {}).get("root")
+            loaded = e is not None and (not root or root == path) and workers != 0
+            rows.append(AdapterStatus(name=name, loaded=loaded, workers=workers))
+        missing = [r.name for r in rows if not r.loaded]
+        extra = sorted(n for n, e in entries.items() if e.get("parent") and n not in dict(wanted))
+        if missing:
+            msg = f"not loaded yet: {', '.join(missing)}"
+            if extra:
+                msg += f"; still served, being unloaded: {', '.join(extra)}"
+            value = (False, "Loading", msg)
+        elif extra:
+            value = (False, "Unloading", f"still served, being unloaded: {', '.join(extra)}")
+        else:
+            value = (True, "Loaded" if rows else "NoAdapters",
+                     f"{len(rows)} adapter(s) loaded" if rows else "LoRA on, no adapters in spec.adapters")
+    conditions = [c for c in out.get("conditions") or [] if c.get("type") != "AdaptersReady"]
+    out["conditions"] = [*conditions, _cond("AdaptersReady", *value, generation,
+                                             (old or {}).get("conditions") or [], now)]
+    out["adapters"] = [r.model_dump(by_alias=True) for r in rows]
+    return out
 
 
 def changed(old: dict[str, Any] | None, patch: dict[str, Any]) -> bool:

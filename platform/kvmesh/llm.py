@@ -10,6 +10,7 @@ from tqdm import tqdm
 from kvmesh.build import build_engine
 from kvmesh.compress import CompressionOptions, compress_prompt, parse_options
 from kvmesh.config import EngineConfig
+from kvmesh.engine.lora import LoRAInfo
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError
@@ -30,6 +31,17 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def load_lora(self, name: str, path: str) -> LoRAInfo:
+        """Load a PEFT adapter folder under `name` (LoRA on: `LLM(..., lora=LoRAConfig(...))`);
+        requests then select it with `generate(..., lora_request=name)`."""
+        return self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        return self.engine.unload_lora(name)
+
+    def list_loras(self) -> list[LoRAInfo]:
+        return self.engine.list_loras()
+
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prompt prefixes (as vLLM's `LLM.reset_prefix_cache`); True if done."""
         return self.engine.reset_prefix_cache()
@@ -40,13 +52,16 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         compression: CompressionOptions | dict | Sequence[CompressionOptions | dict | None] | None = None,
+        lora_request: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); results in input order, one
         RequestOutput per prompt with `n` completions in `outputs` (by index, as vLLM).
 
         `compression` (kvmesh.compress.CompressionOptions or a dict, applied to every
         prompt, or a list with one entry or None per prompt) compresses the
-        `<context>...</context>` spans of text prompts first.
+        `<context>...</context>` spans of text prompts first. `lora_request`: the LoRA
+        adapter to run under, by name, for every prompt or one (or None: the base model) per
+        prompt, as vLLM's `lora_request`.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -58,20 +73,24 @@ class LLM:
             compression = [compression] * len(prompts)
         if len(compression) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(compression)} compression options")
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, str) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora_request entries")
         ids = []
         try:
-            for prompt, p, c in zip(prompts, params, compression):
+            for prompt, p, c, lora in zip(prompts, params, compression, loras):
                 self._counter += 1
-                ids.append(self._add(f"llm-{self._counter}", prompt, p or SamplingParams(), c))
+                ids.append(self._add(f"llm-{self._counter}", prompt, p or SamplingParams(), c, lora))
         except Exception:
             self.engine.abort(ids)
             raise
         return self._run(ids, [(p or SamplingParams()).n for p in params], use_tqdm)
 
     def _add(self, request_id: str, prompt, params: SamplingParams,
-             compression: CompressionOptions | dict | None) -> str:
+             compression: CompressionOptions | dict | None, lora: str | None = None) -> str:
         if compression is None:
-            return self.engine.add_request(request_id, prompt, params)
+            return self.engine.add_request(request_id, prompt, params, lora=lora)
         # Compression runs before the request is queued: its time counts in TTFT.
         arrival = time.monotonic()
         opts = parse_options(compression)
@@ -79,7 +98,8 @@ class LLM:
             raise InvalidRequestError("compression", "needs a text prompt with <context>...</context> spans")
         original = len(self.engine.encode(prompt))
         text = compress_prompt(prompt, opts, tokenizer=self.engine.tokenizer).text
-        return self.engine.add_request(request_id, text, params, arrival_time=arrival, original_prompt_tokens=original)
+        return self.engine.add_request(request_id, text, params, arrival_time=arrival, original_prompt_tokens=original,
+                                       lora=lora)
 
     def _run(self, ids: list[str], ns: list[int], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, list[RequestOutput]] = {i: [] for i in ids}

@@ -18,6 +18,7 @@ from kvmesh import SamplingParams
 from kvmesh.build import build_engine
 from kvmesh.errors import ConfigError, InvalidRequestError
 from kvmesh.layers import lora as lora_layers
+from kvmesh.layers import native
 
 MAX_NEW = 8
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
@@ -121,11 +122,30 @@ def test_mixed_batch_matches_peft(llama_lora):
             if rnd == 1 and len(first[i]) >= 8:
                 assert cached[rid] > 0, f"prompt {i} under {name} missed its own round-1 blocks"
     assert engine.executor.lora.loads > 3  # 3 adapters through 2 slots: refilled
+    backends = {layer.backend for layer in engine.executor.lora._layers.values()}
+    assert backends == ({"cpu"} if native.loaded() else {"torch"})  # the SGMV kernel where it built
     assert engine.num_free_blocks == engine.num_usable_blocks
     # The adapters change the output: each differs from the base model on some prompt.
     base_tokens = {i: hf_greedy(refs[None], p, MAX_NEW) for i, p in enumerate(first)}
     for name in adapters:
         assert any(hf_greedy(refs[name], p, MAX_NEW) != base_tokens[i] for i, p in enumerate(first)), name
+
+
+def test_pytorch_path_without_native_kernels(llama_lora):
+    """cpu_kernels off: the per-segment addmm path and the reference attention."""
+    torch.set_num_threads(1)
+    base, adapters = llama_lora
+    engine = _engine(base, adapters, block_size=8, num_blocks=128, max_loras=3, cpu_kernels=False,
+                     attention_backend="torch")
+    prompts = _prompts(384, (6, 23, 11, 30))
+    jobs = list(zip(prompts, [None, *adapters]))
+    tokens, logits, _ = run(engine, jobs)
+    assert {layer.backend for layer in engine.executor.lora._layers.values()} == {"torch"}
+    for i, (prompt, name) in enumerate(jobs):
+        ref = peft_reference(base, adapters.get(name))
+        assert tokens[f"r{i}"] == hf_greedy(ref, prompt, MAX_NEW), name
+        assert_logits_close(torch.stack(logits[f"r{i}"]).float(), hf_step_logits(ref, prompt, tokens[f"r{i}"]))
+    assert engine.num_free_blocks == engine.num_usable_blocks
 
 
 def test_prefix_cache_never_shares_blocks_across_adapters(llama_lora):
@@ -277,4 +297,48 @@ def test_base_only_steps_keep_the_decode_stack(llama_lora, monkeypatch):
             engine.step()
         assert all(active == (name is not None) for active, _ in calls)
         assert any(ran for _, ran in calls) == ran_stack
+    assert engine.num_free_blocks == engine.num_usable_blocks
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_adapters_on_a_quantized_base(llama_lora, scheme):
+    """LoRA over kvmesh's weight-only quantized layers (QuantLinear): the oracle is peft on a
+    transformers model holding the weights kvmesh dequantizes, so only the adapters' path
+    differs between the two."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from kvmesh.quant.modules import QuantEmbedding, QuantLinear
+
+    torch.set_num_threads(1)
+    base, adapters = llama_lora
+    engine = _engine(base, adapters, block_size=4, num_blocks=128, quantization=scheme)
+    model = engine.executor.runner.model
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    unfused = {"qkv_proj": "{}_proj", "gate_up_proj": "{}_proj"}
+    quantized = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, QuantEmbedding):
+                hf.get_submodule(name).weight.copy_(module.head.dequantized_weight())
+            elif isinstance(module, QuantLinear) and not name.endswith("embed_tokens.head"):
+                w = module.dequantized_weight()
+                parent, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+                if leaf in unfused:
+                    for shard, (start, size) in module.shards.items():
+                        hf.get_submodule(f"{parent}.{unfused[leaf].format(shard)}").weight.copy_(w[start:start + size])
+                else:
+                    hf.get_submodule(name).weight.copy_(w)
+                quantized += 1
+    assert quantized == 4 * 3 + 1  # 4 projections x 3 layers and the LM head
+    prompts = _prompts(384, (9, 21, 14))
+    jobs = list(zip(prompts, [None, "all-r8", "mlp-r16-rslora"]))
+    tokens, logits, _ = run(engine, jobs)
+    for i, (prompt, name) in enumerate(jobs):
+        ref = hf if name is None else PeftModel.from_pretrained(hf, adapters[name]).eval()
+        assert tokens[f"r{i}"] == hf_greedy(ref, prompt, MAX_NEW), name
+        assert_logits_close(torch.stack(logits[f"r{i}"]).float(), hf_step_logits(ref, prompt, tokens[f"r{i}"]),
+                            rtol=2e-3)
+        if name is not None:
+            ref.unload()  # peft injected into `hf`: take the adapter out again
     assert engine.num_free_blocks == engine.num_usable_blocks

@@ -9,9 +9,10 @@ import subprocess
 
 import pytest
 import yaml
+from k8s_helpers import CRD_FILE, ROOT, find_tool, validate_builtin, validate_schema
 
-from k8s_helpers import CRD_FILE, ROOT, find_tool
-from k8s_helpers import validate_builtin
+from kvmesh_operator.render import Target
+from kvmesh_operator.spec import parse_spec
 
 CHART = ROOT / "helm" / "kvmesh"
 OPERATOR_RULES = {
@@ -99,3 +100,33 @@ def test_kustomize_base_builds(helm):
     objs = [o for o in yaml.safe_load_all(_run(kubectl, "kustomize", str(ROOT / "deploy"))) if o]
     assert sorted(o["kind"] for o in objs) == ["LLMService", "LLMService", "Namespace"]
     assert {o["metadata"].get("namespace") for o in objs if o["kind"] == "LLMService"} == {"kvmesh-serving"}
+
+
+LORA_VALUES = {"llmService": {
+    "enabled": True, "name": "chat",
+    "spec": {"model": {"uri": "pvc://models/llama-3-8b", "name": "llama"}, "decode": {"replicas": 2}},
+    "lora": {"enabled": True, "maxLoras": 8, "maxLoraRank": 32, "maxCpuLoras": 16},
+    "adapters": [{"name": "sql", "source": "pvc://models/adapters/sql"},
+                 {"name": "support", "source": "/models/adapters/support"}],
+}}
+
+
+def test_llmservice_with_lora_adapters(helm, tmp_path, llmservice_schema):
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(LORA_VALUES))
+    _run(helm, "lint", "--strict", str(CHART), "-f", str(values))
+    objs = _template(helm, "-f", str(values))
+    llms = objs.pop("LLMService/kvmesh-system/chat")
+    validate_builtin(objs.values())
+    validate_schema(llms, llmservice_schema)
+    assert llms["spec"]["lora"] == {"maxLoras": 8, "maxLoraRank": 32, "maxCpuLoras": 16}
+    assert llms["spec"]["adapters"] == LORA_VALUES["llmService"]["adapters"]
+    spec = parse_spec(llms["spec"])
+    assert [a.name for a in spec.adapters] == ["sql", "support"]
+    assert Target("chat", "kvmesh-system", spec).serving_config().engine.lora.max_loras == 8
+    # Off by default; adapters without lora fail the render with what to set.
+    assert not any(k.startswith("LLMService/") for k in _template(helm))
+    proc = subprocess.run([helm, "template", "kvmesh", str(CHART), "--set", "llmService.enabled=true",
+                           "--set", "llmService.adapters[0].name=sql", "--set", "llmService.adapters[0].source=/a"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "llmService.lora.enabled=true" in proc.stderr

@@ -9,6 +9,7 @@ The test plays KubeRay by writing the RayService status.
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
 import itertools
 import threading
@@ -20,6 +21,8 @@ import kmock
 import kopf
 import pytest
 import pytest_asyncio
+import yaml
+from aiohttp import web
 
 NS = "ml"
 LLMS = "/apis/kvmesh.dev/v1alpha1/namespaces/ml/llmservices"
@@ -278,3 +281,130 @@ async def test_invalid_spec_degrades_with_event_and_recovers(api, operator):
 async def _uri_error(api: ApiServer) -> dict[str, Any] | None:
     c = await _cond(api, "Degraded", "True", "broken")
     return c if c and "spec.model.uri" in c["message"] else None
+
+
+# --- LoRA adapters: the router's user_config, status from a real /v1/models on loopback --------
+
+class ModelsServer:
+    """The router's OpenAI HTTP API as far as the operator asks it: GET /v1/models, behind an API key."""
+
+    def __init__(self, api_key: str):
+        self.api_key = api_key
+        self.adapters: list[dict[str, Any]] = []
+        self.calls = 0
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.calls += 1
+        if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"message": "missing or wrong API key"}}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": "llama", "object": "model"}, *self.adapters]})
+
+
+@pytest_asyncio.fixture
+async def models_server(monkeypatch):
+    server = ModelsServer(api_key="k-123")
+    app = web.Application()
+    app.router.add_get("/v1/models", server.models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    monkeypatch.setenv("KVMESH_ROUTER_URL", f"http://127.0.0.1:{port}")  # instead of the -http Service's DNS name
+    yield server
+    await runner.cleanup()
+
+
+def _serve_app(rs: dict[str, Any]) -> dict[str, Any]:
+    [app] = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    return app
+
+
+async def test_adapters_reconfigure_the_router_only_and_report_status(api, operator, models_server):
+    await write(api, "POST", SECRETS, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "key", "namespace": NS},
+                                       "data": {"api-key": base64.b64encode(b"k-123").decode()}})
+    spec = {"model": {"name": "llama"}, "decode": {"replicas": 2}, "lora": {"maxLoras": 4},
+            "auth": {"apiKeySecretRef": {"name": "key", "key": "api-key"}},
+            "adapters": [{"name": "sql", "source": "/models/adapters/sql"},
+                         {"name": "chat", "source": "file:///models/adapters/chat"}]}
+    await write(api, "POST", LLMS, llmservice("chat", spec))
+    rs = await eventually(lambda: get(api, f"{RAYSERVICES}/chat"))
+    app = _serve_app(rs)
+    router = {d["name"]: d for d in app["deployments"]}["router"]
+    assert router["user_config"] == {"adapters": [{"name": "sql", "path": "/models/adapters/sql"},
+                                                  {"name": "chat", "path": "/models/adapters/chat"}]}
+    assert app["args"]["config"]["engine"]["lora"]["max_loras"] == 4
+
+    # Not serving yet: AdaptersReady waits, the router is not asked.
+    waiting = await eventually(lambda: _cond(api, "AdaptersReady", "False"))
+    assert waiting["reason"] in ("Syncing", "ServiceNotReady") and models_server.calls == 0
+
+    # Serving, the router has loaded one of the two.
+    models_server.adapters = [{"id": "sql", "parent": "llama", "root": "/models/adapters/sql", "workers": 2}]
+    healthy = {**HEALTHY, "activeServiceStatus": {"applicationStatuses": {"chat": {
+        "status": "RUNNING", "serveDeploymentStatuses": {"router": {"status": "HEALTHY"},
+                                                         "unified": {"status": "HEALTHY"}}}}}}
+    await write(api, "PATCH", f"{RAYSERVICES}/chat/status", {"status": healthy})
+
+    async def loading():
+        c = condition(await get(api, f"{LLMS}/chat"), "AdaptersReady")
+        return c if c.get("reason") == "Loading" else None
+
+    assert (await eventually(loading))["message"] == "not loaded yet: chat"
+    status = (await get(api, f"{LLMS}/chat"))["status"]
+    assert status["adapters"] == [{"name": "sql", "loaded": True, "workers": 2},
+                                  {"name": "chat", "loaded": False, "workers": 0}]
+    assert condition({"status": status}, "Ready")["status"] == "True"
+
+    models_server.adapters.append({"id": "chat", "parent": "llama", "root": "/models/adapters/chat", "workers": 2})
+    ready = await eventually(lambda: _cond(api, "AdaptersReady", "True"))
+    assert ready["reason"] == "Loaded"
+
+    # Swap one adapter: the RayService is patched in place, its Ray cluster (worker pod templates,
+    # what KubeRay hashes) and the app's args (what the workers are built from) stay as they were.
+    before = await get(api, f"{RAYSERVICES}/chat")
+    await write(api, "PATCH", f"{LLMS}/chat", {"spec": {"adapters": [
+        {"name": "sql", "source": "/models/adapters/sql"}, {"name": "docs", "source": "/models/adapters/docs"}]}})
+
+    async def swapped():
+        rs = await get(api, f"{RAYSERVICES}/chat")
+        router = {d["name"]: d for d in _serve_app(rs)["deployments"]}["router"]
+        return rs if [a["name"] for a in router["user_config"]["adapters"]] == ["sql", "docs"] else None
+
+    after = await eventually(swapped)
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]
+    assert after["spec"]["rayClusterConfig"] == before["spec"]["rayClusterConfig"]
+    old_app, new_app = _serve_app(before), _serve_app(after)
+    assert new_app["args"] == old_app["args"]
+    assert [d for d in new_app["deployments"] if d["name"] != "router"] == \
+        [d for d in old_app["deployments"] if d["name"] != "router"]
+
+    async def docs_pending():
+        status = (await get(api, f"{LLMS}/chat"))["status"]
+        c = condition({"status": status}, "AdaptersReady")
+        return status if c.get("reason") == "Loading" and "docs" in c["message"] else None
+
+    status = await eventually(docs_pending)
+    assert "still served, being unloaded: chat" in condition({"status": status}, "AdaptersReady")["message"]
+    assert [a["name"] for a in status["adapters"]] == ["sql", "docs"]
+
+
+async def test_invalid_adapters_surface_in_status(api, operator):
+    bad = {"adapters": [{"name": "sql", "source": "/models/adapters/sql"}]}
+    await write(api, "POST", LLMS, llmservice("broken", bad))
+    degraded = await eventually(lambda: _cond(api, "Degraded", "True", "broken"))
+    assert degraded["reason"] == "InvalidSpec" and "spec.adapters: adapters need spec.lora" in degraded["message"]
+    assert await get(api, f"{RAYSERVICES}/broken") is None
+
+    await write(api, "PATCH", f"{LLMS}/broken", {"spec": {"lora": {}, "adapters": [
+        {"name": "sql", "source": "s3://bucket/adapters/sql"}]}})
+
+    async def scheme_error():
+        c = await _cond(api, "Degraded", "True", "broken")
+        return c if c and "s3://" in c["message"] else None
+
+    c = await eventually(scheme_error)
+    assert "spec.adapters.0.source" in c["message"] and "the workers cannot read s3://" in c["message"]
+    await write(api, "PATCH", f"{LLMS}/broken", {"spec": {"adapters": [{"name": "sql", "source": "/models/sql"}]}})
+    await eventually(lambda: get(api, f"{RAYSERVICES}/broken"))
+    assert (await eventually(lambda: _cond(api, "Degraded", "False", "broken")))["reason"] == "AsExpected"

@@ -3,19 +3,16 @@
 A step's rows are ordered by the model runner so that each adapter's rows are contiguous:
 `LoRABatch.segments` lists (first row, rows, slot) runs; rows of base-model requests are in
 no segment. Every linear layer an adapter targets carries a `LoRASlots` as its delta
-(`Linear.set_delta`): after the base GEMM it adds, per segment,
+(`Linear.set_delta`): after the base GEMM it adds, per segment (and shard of a fused q/k/v
+or gate/up projection),
 
-    y[rows] += (x[rows] @ A_slot^T) @ B_slot^T
+    y[rows, shard] += (x[rows] @ A[shard, slot]^T) @ B[slot, :, shard]
 
-one small GEMM pair per adapter per layer, whatever the batch mix. The slots hold up to
-`max_loras` adapters resident at once, ranks zero-padded to `max_rank`; the scale
-(alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into B when a slot is filled.
-
-Fused projections (q/k/v, gate/up) hold one rank block per shard: A_slot is (shards * R, K)
-and B_slot (N, shards * R) with shard l's block in rows / columns [l R, (l + 1) R) of A / B
-and its output columns in B's rows; B is zero elsewhere (block diagonal), so the pair is
-still two GEMMs, and a checkpoint that adapts the fused module whole (Phi-3) simply fills
-block 0 across every output row.
+a shrink and an expand GEMM per adapter per layer, whatever the batch mix: the SGMV kernels
+of layers/lora_kernels.py (csrc/lora.cpp on CPU, triton_lora.py on CUDA; per-segment addmm
+otherwise). The slots hold up to `max_loras` adapters resident at once, ranks zero-padded
+to `max_rank`; the scale (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into B when
+a slot is filled.
 
 Which batch a forward runs under is per thread (`lora_batch`): the step thread sets it
 around the model call. Outside one (base-only steps, draft models, CUDA graph capture) a
@@ -32,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmesh.layers import triton_lora
+
 _local = threading.local()
 
 
@@ -41,15 +40,26 @@ class LoRABatch:
     under one adapter, in row order."""
 
     segments: list[tuple[int, int, int]]
-    _tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _subsets: dict[tuple[bool, ...], tuple] = field(default_factory=dict)
+    _tensors: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(starts, lens, slots) as int32 tensors on `device`, for the kernels; built once a step."""
-        got = self._tensors.get(device)
+    def for_slots(self, used: Sequence[bool]) -> tuple[tuple[int, int, int], ...]:
+        """The segments whose slot a layer has weights in (memoized per step: layers adapted
+        by the same adapters share one list)."""
+        key = tuple(used)
+        got = self._subsets.get(key)
         if got is None:
-            cols = list(zip(*self.segments)) if self.segments else ([], [], [])
-            got = tuple(torch.tensor(c, dtype=torch.int32, device=device) for c in cols)
-            self._tensors[device] = got
+            got = self._subsets[key] = tuple(s for s in self.segments if used[s[2]])
+        return got
+
+    def tensors(self, segs: tuple[tuple[int, int, int], ...], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(starts, lens, slots) of `segs` as int32 tensors on `device`, for the kernels."""
+        key = (segs, device)
+        got = self._tensors.get(key)
+        if got is None:
+            got = tuple(torch.tensor(c, dtype=torch.int32, device=device) for c in zip(*segs))
+            self._tensors[key] = got
         return got
 
     @classmethod
@@ -88,32 +98,34 @@ def lora_batch(batch: LoRABatch | None) -> Iterator[None]:
         _local.batch = prev
 
 
-def sgmv_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   segments: Sequence[tuple[int, int, int]], used: Sequence[bool] | None = None) -> None:
-    """y[rows] += (x[rows] @ a[slot]^T) @ b[slot]^T in place, per segment: the PyTorch path
-    and the kernels' oracle. x (T, K), y (T, N), a (S, P, K), b (S, N, P)."""
+def sgmv_addmm(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               segments: Sequence[tuple[int, int, int]], offsets: Sequence[int]) -> None:
+    """The PyTorch path (no native kernel, no Triton): per segment and shard, y += (x A^T) B^T
+    as one matmul and one in-place addmm in the model's dtype (layouts: lora_kernels)."""
     for start, n, slot in segments:
-        if used is not None and not used[slot]:
-            continue
-        ys = y.narrow(0, start, n)
-        ys.addmm_(x.narrow(0, start, n) @ a[slot].t(), b[slot].t())
+        xs, ys = x.narrow(0, start, n), y.narrow(0, start, n)
+        for shard, (lo, hi) in enumerate(zip(offsets, offsets[1:])):
+            ys[:, lo:hi].addmm_(xs @ a[shard, slot].t(), b[slot, :, lo:hi])
 
 
 class LoRASlots:
     """One linear layer's adapter slots, and the delta it adds (see the module docstring).
 
-    `shards` are (output start, output size) per shard of a fused layer ([(0, N)] otherwise).
+    `shards` are (output start, output size) per shard of a fused layer ([(0, N)] otherwise),
+    contiguous from 0. Layouts as layers/lora_kernels.py: a (shards, slots, R, K), b (slots, R, N)
+    (B transposed, scale folded in). `backend`: "cpu" (csrc/lora.cpp), "triton" or "torch".
     """
 
     def __init__(self, in_features: int, shards: Sequence[tuple[int, int]], num_slots: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, backend: str = "torch"):
         self.in_features = in_features
         self.shards = list(shards)
-        self.out_features = sum(n for _, n in self.shards)
+        self.offsets = [0] + [start + size for start, size in self.shards]
+        self.out_features = self.offsets[-1]
         self.max_rank = max_rank
-        width = len(self.shards) * max_rank
-        self.a = torch.zeros(num_slots, width, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, self.out_features, width, dtype=dtype, device=device)
+        self.backend = backend
+        self.a = torch.zeros(len(self.shards), num_slots, max_rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, max_rank, self.out_features, dtype=dtype, device=device)
         # Slots whose adapter adapts this layer (others add nothing and are skipped). The
         # buffers are written only under inference mode (the steps read them under it).
         self.used = [False] * num_slots
@@ -121,30 +133,41 @@ class LoRASlots:
     @torch.inference_mode()
     def clear(self, slot: int) -> None:
         if self.used[slot]:
-            self.a[slot].zero_()
+            self.a[:, slot].zero_()
             self.b[slot].zero_()
             self.used[slot] = False
 
     @torch.inference_mode()
     def fill(self, slot: int, parts: Sequence[tuple[int | None, torch.Tensor, torch.Tensor]]) -> None:
-        """Put an adapter into `slot`: (shard index or None for the whole layer, A (r, K),
-        B (n, r) already scaled) per adapted shard."""
+        """Put an adapter into `slot`: (shard index, or None for the whole layer, A (r, K),
+        B (n, r) already scaled) per adapted shard. A whole-layer pair of a fused layer
+        (Phi-3's qkv_proj) takes A in every shard and each shard's rows of B."""
         self.clear(slot)
-        r_max = self.max_rank
         for shard, a, b in parts:
-            block = 0 if shard is None else shard
-            start, size = (0, self.out_features) if shard is None else self.shards[shard]
             r = a.shape[0]
-            self.a[slot, block * r_max : block * r_max + r].copy_(a)
-            self.b[slot, start : start + size, block * r_max : block * r_max + r].copy_(b)
+            for l in range(len(self.shards)) if shard is None else (shard,):
+                lo, hi = self.offsets[l], self.offsets[l + 1]
+                rows = b[lo:hi] if shard is None else b
+                self.a[l, slot, :r].copy_(a)
+                self.b[slot, :r, lo:hi].copy_(rows.t())
         self.used[slot] = bool(parts)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch = getattr(_local, "batch", None)
         if batch is None:
             return y
-        segs = [s for s in batch.segments if self.used[s[2]]]
-        if segs:
-            sgmv_reference(y if y.dim() == 2 else y.view(-1, self.out_features),
-                           x.reshape(-1, self.in_features), self.a, self.b, segs)
+        segs = batch.for_slots(self.used)
+        if not segs:
+            return y
+        x2 = x.reshape(-1, self.in_features)
+        if y.dim() != 2 or y.stride(-1) != 1:
+            y = y.reshape(-1, self.out_features).contiguous()
+        if self.backend == "cpu":
+            starts, lens, slots = batch.tensors(segs, x.device)
+            torch.ops.kvmesh.lora_sgmv(y, x2, self.a, self.b, starts, lens, slots, self.offsets)
+        elif self.backend == "triton":
+            starts, lens, slots = batch.tensors(segs, x.device)
+            triton_lora.sgmv(y, x2, self.a, self.b, starts, lens, slots, self.offsets)
+        else:
+            sgmv_addmm(y, x2, self.a, self.b, segs, self.offsets)
         return y

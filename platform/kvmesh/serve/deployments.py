@@ -23,7 +23,7 @@ import ray
 from ray import serve
 
 from kvmesh.build import build_worker
-from kvmesh.config import EngineConfig
+from kvmesh.config import EngineConfig, LoRAModule
 from kvmesh.router.server import RouterServer, load_router_tokenizer
 from kvmesh.rpc.internal_auth import InternalAuth
 from kvmesh.rpc.tls import TLSFiles
@@ -219,6 +219,48 @@ class RouterDeployment:
     async def check_health(self) -> None:
         if not self._loop.alive():
             raise RuntimeError("router event loop stopped")
+        # A failed adapter sync is retried here (Ray calls reconfigure again only on a new user_config).
+        if getattr(self, "_adapters_pending", False) and not self._adapters_lock().locked():
+            self._adapters_task = asyncio.ensure_future(self._sync_adapters())
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Ray Serve's in-place update: `user_config` = {adapters: [{name, path}, ...]}, which the
+        operator renders from LLMService spec.adapters (and changes without touching any other
+        deployment). The router's adapter registry becomes exactly that list: it loads new adapters on
+        the workers and unloads dropped ones; no replica, router or worker, restarts. Ray calls this
+        after __init__ and on every change. A sync that fails (a worker unreachable, an adapter it
+        cannot read) is logged and retried from check_health, never a crash of the replica."""
+        raw = (user_config or {}).get("adapters") or []
+        if not isinstance(raw, list):
+            raise ValueError(f"user_config.adapters must be a list of {{name, path}}, got {type(raw).__name__}")
+        mods = [LoRAModule.model_validate(a) for a in raw]
+        if len({m.name for m in mods}) != len(mods):
+            raise ValueError("user_config.adapters: adapter names must be unique")
+        self._adapters = [(m.name, m.path) for m in mods]
+        self._adapters_pending = True
+        await self._sync_adapters()
+
+    def _adapters_lock(self) -> asyncio.Lock:
+        lock = getattr(self, "_adapters_sync_lock", None)
+        if lock is None:
+            lock = self._adapters_sync_lock = asyncio.Lock()
+        return lock
+
+    async def _sync_adapters(self) -> None:
+        """One sync at a time, of the latest list (a newer reconfigure waits, then syncs its own)."""
+        async with self._adapters_lock():
+            if not self._adapters_pending:
+                return
+            adapters = list(self._adapters)
+            try:
+                await self._loop.run_async(self.router.api.sync_adapters(adapters))
+            except Exception as exc:  # noqa: BLE001  (logged, reported by /v1/models, retried)
+                logger.error("router could not sync its LoRA adapters %s (retried from the health check): %r",
+                             [n for n, _ in adapters], exc)
+                return
+            if adapters == self._adapters:
+                self._adapters_pending = False
+            logger.info("router serves LoRA adapters %s", [n for n, _ in adapters])
 
     def __del__(self) -> None:
         try:

@@ -36,7 +36,9 @@ from torch import nn
 from kvmesh.config import LoRAConfig
 from kvmesh.engine.lora import LoRAInfo
 from kvmesh.errors import InvalidRequestError
+from kvmesh.layers import native
 from kvmesh.layers.lora import LoRASlots
+from kvmesh.layers.triton_runtime import can_run as triton_can_run
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,16 @@ def _shards(module: nn.Module) -> dict[str, tuple[int, int]]:
     """A fused layer's {shard: (output start, size)}; {"": (0, N)} for a plain one."""
     shards = getattr(module, "offsets", None) or getattr(module, "shards", None)
     return dict(shards) if shards else {"": (0, module.out_features)}
+
+
+def _sgmv_backend(module: nn.Module, device: torch.device) -> str:
+    """The SGMV kernels a layer's slots run (layers/lora_kernels.py): the native CPU op where
+    the layer's own context runs kvmesh's kernels, Triton on CUDA, else PyTorch."""
+    if device.type == "cpu":
+        ctx = getattr(module, "ctx", None)
+        on = ctx.native if ctx is not None else getattr(module, "native_gemm", False) and native.load()
+        return "cpu" if on and native.loaded() else "torch"
+    return "triton" if triton_can_run(device) else "torch"
 
 
 def _pattern_value(patterns: dict, module: str, default: float) -> float:
@@ -302,7 +314,7 @@ class LoRAManager:
     def _install(self, target: str) -> None:
         module = self._modules[target]
         slots = LoRASlots(module.in_features, list(_shards(module).values()), self.max_loras, self.max_rank,
-                          self.dtype, self.device)
+                          self.dtype, self.device, _sgmv_backend(module, self.device))
         module.set_delta(slots)
         self._layers[target] = slots
 

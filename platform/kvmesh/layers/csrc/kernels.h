@@ -41,4 +41,10 @@ void int8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const floa
 int int4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const uint16_t* s, const uint16_t* o,
               int32_t mode, int64_t G, int64_t N, float* y);
 
+// lora.cpp: y[rows of each segment, shard l's columns] += (x @ a[l, slot]^T) @ b[slot] in place
+// (the batched multi-LoRA delta; see the file for the layouts).
+void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+               const at::Tensor& seg_starts, const at::Tensor& seg_lens, const at::Tensor& seg_slots,
+               at::IntArrayRef shard_offsets);
+
 }  // namespace kvmesh_cpu
