@@ -12,8 +12,8 @@ import json
 
 import pytest
 import torch
-
 from helpers import assert_logits_close, hf_greedy, hf_step_logits
+
 from kvmesh import SamplingParams
 from kvmesh.build import build_engine
 from kvmesh.errors import ConfigError, InvalidRequestError

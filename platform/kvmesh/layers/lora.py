@@ -145,10 +145,10 @@ class LoRASlots:
         self.clear(slot)
         for shard, a, b in parts:
             r = a.shape[0]
-            for l in range(len(self.shards)) if shard is None else (shard,):
-                lo, hi = self.offsets[l], self.offsets[l + 1]
+            for part in range(len(self.shards)) if shard is None else (shard,):
+                lo, hi = self.offsets[part], self.offsets[part + 1]
                 rows = b[lo:hi] if shard is None else b
-                self.a[l, slot, :r].copy_(a)
+                self.a[part, slot, :r].copy_(a)
                 self.b[slot, :r, lo:hi].copy_(rows.t())
         self.used[slot] = bool(parts)
 

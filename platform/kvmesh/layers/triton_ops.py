@@ -21,7 +21,6 @@ import torch
 
 from kvmesh.layers.triton_runtime import next_pow2, tl, to_dtype, triton
 
-
 if triton is not None:
 
     @triton.jit

@@ -12,7 +12,6 @@ from typing import Any
 
 from kvmesh.errors import ModelNotFoundError
 
-
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 

@@ -21,8 +21,8 @@ from kvmesh.layers.activation import ACTIVATIONS
 from kvmesh.layers.attention import AttentionBackend, AttentionMetadata
 from kvmesh.layers.decode_stack import DecodeStack, StackLayer
 from kvmesh.layers.linear import Linear, MergedColumnLinear
-from kvmesh.layers.norm import RMSNorm
 from kvmesh.layers.moe import FusedMoE, expert_tensor
+from kvmesh.layers.norm import RMSNorm
 from kvmesh.layers.op import OpContext, fast_paths_changed
 from kvmesh.layers.rotary import RotaryQKV
 from kvmesh.models.arch import ArchConfig

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.config import KernelConfig
 from kvmesh.checkpoint.files import iter_safetensors, load_tokenizer, model_fingerprint, resolve_model_path
+from kvmesh.config import KernelConfig
 from kvmesh.layers.op import OpContext
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.registry import model_class

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from kvmesh.checkpoint.files import iter_safetensors
-from kvmesh.errors import ConfigError
 from kvmesh.config import KernelConfig
+from kvmesh.errors import ConfigError
 from kvmesh.layers.linear import Linear
 from kvmesh.layers.moe import FusedMoE, expert_tensor
 from kvmesh.layers.op import fast_paths_changed
