@@ -204,6 +204,7 @@ def test_http_lora_lifecycle_through_the_router(stack, adapter, reference):
     models = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
     assert models["sql"]["parent"] == "kvmesh" and models["sql"]["root"] == adapter
     assert models["sql"]["max_model_len"] == 128
+    assert models["sql"]["workers"] == len(workers) and "workers" not in models["kvmesh"]
 
     # `model` selects the adapter: the router's P/D path runs Prefill and Decode under it.
     async def grpc_tokens(model):

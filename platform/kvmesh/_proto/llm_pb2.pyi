@@ -180,20 +180,22 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "max_model_len", "block_size", "fingerprint", "parent", "root")
+    __slots__ = ("id", "max_model_len", "block_size", "fingerprint", "parent", "root", "num_workers")
     ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     id: str
     max_model_len: int
     block_size: int
     fingerprint: str
     parent: str
     root: str
-    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., fingerprint: _Optional[str] = ..., parent: _Optional[str] = ..., root: _Optional[str] = ...) -> None: ...
+    num_workers: int
+    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., fingerprint: _Optional[str] = ..., parent: _Optional[str] = ..., root: _Optional[str] = ..., num_workers: _Optional[int] = ...) -> None: ...
 
 class LoRARef(_message.Message):
     __slots__ = ("name", "path")

@@ -128,9 +128,11 @@ class LoRAAdapters:
     def model_infos(self, base: llm_pb2.ModelInfo) -> list[llm_pb2.ModelInfo]:
         """ListModels: the base model, then one entry per adapter (parent: the base model)."""
         out = [base]
+        handles = self.pool.handles()
         for name, path in self.served().items():
             out.append(llm_pb2.ModelInfo(id=name, max_model_len=base.max_model_len, block_size=base.block_size,
-                                         fingerprint=base.fingerprint, parent=self.base_model, root=path))
+                                         fingerprint=base.fingerprint, parent=self.base_model, root=path,
+                                         num_workers=sum(name in w.loras for w in handles)))
         return out
 
     # -- load / unload --------------------------------------------------------------------

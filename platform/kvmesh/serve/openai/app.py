@@ -146,9 +146,12 @@ async def models(request: Request):
         raise APIError.of(e) from None
     now = int(time.time())
     # vLLM's shape: a LoRA adapter's `parent` is the base model, its `root` the adapter's path.
+    # kvmesh adds `workers` to an adapter's entry: how many workers hold it (the operator's
+    # status.adapters reads it).
     return {"object": "list", "data": [
         {"id": m.id, "object": "model", "created": now, "owned_by": "kvmesh", "root": m.root or m.id,
-         "parent": m.parent or None, "max_model_len": m.max_model_len}
+         "parent": m.parent or None, "max_model_len": m.max_model_len,
+         **({"workers": m.num_workers} if m.parent else {})}
         for m in resp.models]}
 
 
