@@ -191,3 +191,24 @@ def test_exposition_is_the_kvmesh_registry_only():
     body, _ = exposition()
     assert b"kvmesh_time_to_first_token_seconds" in body
     assert DEFAULT.get_sample_value("kvmesh_router_requests_running", {"model": "uni"}) is None
+
+
+def test_lora_series_from_worker_stats():
+    from kvmesh._proto import worker_pb2
+    from kvmesh.telemetry.workers import stats_families
+
+    lora = worker_pb2.StatsResponse(
+        address="10.0.0.1:7000", role="unified", lora_enabled=True, max_loras=4, max_lora_rank=16,
+        loras=[worker_pb2.LoRAInfo(name="sql", rank=8, resident=True, num_requests=3),
+               worker_pb2.LoRAInfo(name="chat", rank=16, resident=False, num_requests=0)])
+    plain = worker_pb2.StatsResponse(address="10.0.0.2:7000", role="unified")
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for fam in stats_families([(lora, True), (plain, True)]) for s in fam.samples}
+    w = {"worker": worker_label(lora.address, "unified"), "role": "unified"}
+    assert samples[("kvmesh_lora_slots", frozenset(w.items()))] == 4
+    assert samples[("kvmesh_lora_adapters", frozenset({**w, "state": "loaded"}.items()))] == 2
+    assert samples[("kvmesh_lora_adapters", frozenset({**w, "state": "resident"}.items()))] == 1
+    assert samples[("kvmesh_lora_requests", frozenset({**w, "adapter": "sql"}.items()))] == 3
+    assert samples[("kvmesh_lora_requests", frozenset({**w, "adapter": "chat"}.items()))] == 0
+    other = worker_label(plain.address, "unified")
+    assert not [k for k in samples if k[0].startswith("kvmesh_lora") and ("worker", other) in k[1]]

@@ -22,6 +22,9 @@ source too (a series per address: the first source that has it wins).
 | kvmesh_kv_transfer_bytes_total, kvmesh_kv_transfer_blocks_total | counter | direction = sent, received |
 | kvmesh_kv_pull_failures_total, kvmesh_kv_transfers_expired_total | counter | |
 | kvmesh_kv_store_bytes_total | counter | direction = read, written |
+| kvmesh_lora_slots | gauge | (workers with LoRA on: max_loras, the adapters one step batches) |
+| kvmesh_lora_adapters | gauge | state = loaded (host memory), resident (a device slot) |
+| kvmesh_lora_requests | gauge | adapter (waiting or running under it; bounded by max_cpu_loras) |
 
 Prefix hit rate of a worker: rate(cached_prompt_tokens_total) / rate(prompt_tokens_total),
 split by where the reused KV came from.
@@ -103,6 +106,12 @@ def stats_families(items: Iterable[tuple[Stats, bool]]) -> list:
     counters = [(CounterMetricFamily(n, doc, labels=_LABELS), get) for n, doc, get in _COUNTERS]
     split = [(CounterMetricFamily(n, doc, labels=[*_LABELS, label]), parts)
              for n, doc, label, parts in _SPLIT_COUNTERS]
+    lora_slots = GaugeMetricFamily("kvmesh_lora_slots", "LoRA adapters the worker's device slots hold "
+                                   "(max_loras): the most distinct adapters one step batches.", labels=_LABELS)
+    lora_adapters = GaugeMetricFamily("kvmesh_lora_adapters", "LoRA adapters the worker holds: loaded in host "
+                                      "memory, resident in a device slot.", labels=[*_LABELS, "state"])
+    lora_requests = GaugeMetricFamily("kvmesh_lora_requests", "Requests waiting or running under each LoRA "
+                                      "adapter the worker holds.", labels=[*_LABELS, "adapter"])
     seen: set[str] = set()
     for stats, ok in items:
         if stats.address in seen:
@@ -115,7 +124,14 @@ def stats_families(items: Iterable[tuple[Stats, bool]]) -> list:
         for fam, parts in split:
             for value, get in parts:
                 fam.add_metric([*labels, value], get(stats))
-    return [healthy, *(f for f, _ in gauges), *(f for f, _ in counters), *(f for f, _ in split)]
+        if stats.lora_enabled:
+            lora_slots.add_metric(labels, stats.max_loras)
+            lora_adapters.add_metric([*labels, "loaded"], len(stats.loras))
+            lora_adapters.add_metric([*labels, "resident"], sum(i.resident for i in stats.loras))
+            for info in stats.loras:
+                lora_requests.add_metric([*labels, info.name], info.num_requests)
+    return [healthy, *(f for f, _ in gauges), *(f for f, _ in counters), *(f for f, _ in split),
+            lora_slots, lora_adapters, lora_requests]
 
 
 class ClusterCollector(Collector):
