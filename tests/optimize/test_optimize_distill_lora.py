@@ -66,6 +66,21 @@ def test_lora_distillation_writes_a_peft_adapter_of_the_base(teacher_and_base, t
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert (want - plain).abs().max() > 1e-2  # the adapter changes the base's output
 
+    # kvmesh serves the folder as written: greedy output under it equals peft's.
+    from kvmesh import SamplingParams
+    from kvmesh.build import build_engine
+
+    engine = build_engine(model=str(base), progress=False, block_size=4, num_blocks=64,
+                          lora={"modules": [{"name": "distilled", "path": str(out)}], "max_lora_rank": 8})
+    prompt = ids[0].tolist()
+    engine.add_request("d", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), lora="distilled")
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.outputs[0].delta_token_ids]
+    ref = peft_model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
+    assert tokens == ref
+
 
 def test_lora_distillation_refuses_a_cut_student_and_bad_ranks(teacher_and_base, tmp_path):
     teacher, _ = teacher_and_base
