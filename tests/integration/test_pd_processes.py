@@ -114,13 +114,10 @@ def test_pd_output_equals_unified_and_transformers_and_kv_moves(cluster, tiny_ll
     (_gen(list(range(3, 303)), max_tokens=4), "prompt"),  # longer than max_model_len 256
     (llm_pb2.GenerateRequest(), "prompt"),
     (llm_pb2.GenerateRequest(prompt="hi", prompt_token_ids=[5]), "prompt"),
-    (llm_pb2.GenerateRequest(prompt="hi", model="gpt-9"), "model"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(cluster, req, field):
     async def main():
         for address in (cluster["router"].address, cluster["decode"].address):
-            if address != cluster["router"].address and req.model:
-                continue  # workers do not check the model name
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 if address == cluster["router"].address:
                     await _route(address, req)
@@ -128,6 +125,18 @@ def test_bad_input_is_invalid_argument_naming_the_field(cluster, req, field):
                     await _unified(address, req)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
             assert err.value.details().startswith(f"{field}:"), err.value.details()
+
+    asyncio.run(main())
+
+
+def test_an_unknown_model_is_not_found_listing_the_served_names(cluster):
+    """The router checks `model` (workers do not): an unknown name is NOT_FOUND, as
+    OpenAI's 404 model_not_found, and the message lists what is served."""
+    async def main():
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _route(cluster["router"].address, llm_pb2.GenerateRequest(prompt="hi", model="gpt-9"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value
+        assert "'gpt-9'" in err.value.details() and "ListModels shows" in err.value.details()
 
     asyncio.run(main())
 
