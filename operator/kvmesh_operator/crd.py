@@ -41,6 +41,9 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             continue
         if key == "additionalProperties" and value is False:
             continue  # forbidden in structural schemas: the API server prunes unknown fields instead
+        if key == "additionalProperties" and value is True:  # dict[str, Any]: a free-form object
+            out["x-kubernetes-preserve-unknown-fields"] = True
+            continue
         if key == "properties":
             out[key] = {name: structural(sub, defs) for name, sub in value.items()}
         elif key == "items" or (key == "additionalProperties" and isinstance(value, dict)):
@@ -68,11 +71,17 @@ def _columns() -> list[dict[str, Any]]:
     ready = '.status.conditions[?(@.type=="Ready")]'
     return [
         {"name": "Ready", "type": "string", "jsonPath": f"{ready}.status"},
+        {"name": "Model", "type": "string", "jsonPath": ".status.model",
+         "description": "The model name clients send"},
         {"name": "Mode", "type": "string", "jsonPath": ".status.mode"},
         {"name": "Prefill", "type": "string", "jsonPath": ".status.roles.prefill.ready",
          "description": "Ready/desired prefill replicas"},
         {"name": "Decode", "type": "string", "jsonPath": ".status.roles.decode.ready",
          "description": "Ready/desired decode (or unified) replicas"},
+        {"name": "Pods", "type": "string", "jsonPath": ".status.pods",
+         "description": "Ready/desired Ray worker pods, as KubeRay observes them"},
+        {"name": "URL", "type": "string", "jsonPath": ".status.url",
+         "description": "OpenAI-compatible HTTP endpoint (while Ready)"},
         {"name": "Reason", "type": "string", "jsonPath": f"{ready}.reason", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]

@@ -13,20 +13,30 @@ handlers (`kopf.adopt`). Objects, all named after the LLMService `<name>`:
     Service     <name>-http     :8000  -> router pods (Ray Serve's HTTP proxy, OpenAI API)
     Deployment  <name>-redis    only with spec.cache.redis.managed (with --requirepass)
     Service     <name>-redis    only with spec.cache.redis.managed
-    NetworkPolicy <name>-workers, <name>-redis   see `security` (which also names the
-                                generated Secrets and the secrets every Ray pod gets)
+    NetworkPolicy <name>-workers, <name>-head, <name>-redis   see `security` (which also names
+                                the generated Secrets and the secrets every Ray pod gets)
+
+Every pod meets the restricted Pod Security profile (`pods`); a role's pod options
+(`podspec.PodOptions`) and its template patch, merged last, shape its pods.
+
+The Services select router pods the way KubeRay's own serve Service does: `ray.io/serve:
+"true"` (KubeRay sets it on the worker pods of a RayService; readiness then gates traffic)
+and, once KubeRay names the cluster that serves (`Target.active_cluster`, from the
+RayService status), `ray.io/cluster: <that cluster>`. During a zero-downtime upgrade
+KubeRay runs a second RayCluster; the Services keep selecting the active one and move when
+KubeRay switches, so traffic never spreads over two clusters.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from kvmesh.serve.config import ServingConfig
-from kvmesh_operator import GROUP, security
+from kvmesh_operator import GROUP, pods, security
 from kvmesh_operator.mapping import (
     REDIS_PORT,
     pvc_claims,
@@ -35,19 +45,25 @@ from kvmesh_operator.mapping import (
     router_user_config,
     to_serving_config,
 )
+from kvmesh_operator.podspec import PodOptions, ResourcesSpec
 from kvmesh_operator.quantity import parse_quantity, ray_cpus
-from kvmesh_operator.spec import MODEL_MOUNT, LLMServiceSpec, ResourcesSpec, WorkloadSpec
+from kvmesh_operator.security import KubeRayPeer
+from kvmesh_operator.spec import MODEL_MOUNT, LLMServiceSpec, WorkloadSpec
 
 APP_IMPORT_PATH = "kvmesh.serve.app:build"
 GRPC_PORT = 50051
 HTTP_PORT = 8000
 LABEL_SERVICE = f"{GROUP}/llmservice"
 LABEL_ROLE = f"{GROUP}/role"
-# KubeRay labels every Ray pod with its worker group's name. `ray.io/cluster` is not used
-# in selectors: a RayService names its RayCluster `<name>-raycluster-<random>` and replaces
-# it on upgrades, so the group label plus our own service label select the role's pods.
+# Labels KubeRay sets on every Ray pod: its worker group, its RayCluster (a RayService names
+# it `<name>-<random>` and replaces it on upgrades) and, on a RayService's worker pods,
+# ray.io/serve=true (the head's follows its proxy's health).
 RAY_GROUP_LABEL = "ray.io/group"
-API_KEY_ENV = "KVMESH_API_KEY"
+RAY_CLUSTER_LABEL = "ray.io/cluster"
+RAY_SERVE_LABEL = "ray.io/serve"
+API_KEY_ENV = pods.API_KEY_ENV
+REDIS_UID = 999
+"""The `redis` user of the official Redis images."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,10 @@ class Defaults:
     image: str = "ghcr.io/kvmesh/kvmesh:0.1.0"
     redis_image: str = "redis:7.4-alpine"
     ray_version: str = "2.60.0"
+    image_pull_secrets: tuple[str, ...] = ()
+    """Secret names every pod pulls its image with, unless spec.imagePullSecrets says otherwise."""
+    kuberay: KubeRayPeer = field(default_factory=KubeRayPeer)
+    """Where the KubeRay operator runs (the head NetworkPolicy admits it)."""
 
 
 @dataclass(frozen=True)
@@ -66,11 +86,24 @@ class Target:
     name: str
     namespace: str
     spec: LLMServiceSpec
-    defaults: Defaults = Defaults()
+    defaults: Defaults = field(default_factory=Defaults)
+    active_cluster: str | None = None
+    """The RayCluster KubeRay serves from (RayService status.activeServiceStatus.rayClusterName);
+    None until KubeRay names one. The Services select its pods."""
 
     @property
     def image(self) -> str:
         return self.spec.image or self.defaults.image
+
+    @property
+    def model_id(self) -> str:
+        """The model name clients send (spec.model.name, else the LLMService name)."""
+        return self.spec.model.name or self.name
+
+    def image_pull_secrets(self) -> list[dict[str, str]]:
+        refs = self.spec.image_pull_secrets
+        names = [r.name for r in refs] if refs is not None else list(self.defaults.image_pull_secrets)
+        return [{"name": n} for n in names]
 
     def serving_config(self) -> ServingConfig:
         return to_serving_config(self.spec, name=self.name, namespace=self.namespace)
@@ -90,7 +123,7 @@ def child_names(name: str) -> dict[str, str]:
     """The name of every object the operator may own for LLMService `name`, by what it is."""
     return {"rayservice": name, "configmap": f"{name}-config", "grpc": f"{name}-grpc",
             "http": f"{name}-http", "redis": redis_service_name(name), "workers-policy": f"{name}-workers",
-            "redis-policy": f"{name}-redis"}
+            "head-policy": f"{name}-head", "redis-policy": f"{name}-redis"}
 
 
 def endpoints(t: Target) -> dict[str, str]:
@@ -126,34 +159,56 @@ def _model_volumes(t: Target) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     return volumes, mounts
 
 
-def pod_template(t: Target, group: str, resources: ResourcesSpec, *, workload: WorkloadSpec | None = None,
-                 ports: list[dict[str, Any]] | None = None, env: list[dict[str, Any]] | None = None
-                 ) -> dict[str, Any]:
-    """A Ray pod: KubeRay injects `ray start`; we give image, resources, placement, volumes."""
+def pod_template(t: Target, group: str, opts: PodOptions, *, ports: list[dict[str, Any]] | None = None,
+                 env: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A Ray pod: KubeRay injects `ray start`; we give image, resources, placement, volumes, the
+    restricted security contexts, then merge the role's template patch over all of it."""
     container: dict[str, Any] = {
         "name": "ray-head" if group == "head" else "ray-worker", "image": t.image,
-        "resources": _container_resources(resources),
+        "resources": _container_resources(opts.resources),
         # Let in-flight requests drain from the node before the pod goes away.
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
+        "securityContext": pods.container_security_context(),
     }
     if ports:
         container["ports"] = ports
-    env = [*(env or []), *security.pod_env(t.name, t.spec)]
-    container["env"] = env
-    spec: dict[str, Any] = {"containers": [container]}
+    container["env"] = [*(env or []), *security.pod_env(t.name, t.spec),
+                        *(e.model_dump(by_alias=True, exclude_none=True) for e in opts.env)]
+    spec: dict[str, Any] = {"securityContext": pods.pod_security_context(), "containers": [container]}
     volumes, mounts = security.tls_volume(t.spec)
     if group != "head" and group != "router":
         model_volumes, model_mounts = _model_volumes(t)
         volumes, mounts = [*volumes, *model_volumes], [*mounts, *model_mounts]
+    if opts.shm_size is not None:
+        shm, shm_mount = pods.shm_volume(str(opts.shm_size))
+        volumes, mounts = [*volumes, shm], [*mounts, shm_mount]
     if volumes:
         spec["volumes"], container["volumeMounts"] = volumes, mounts
-    if workload is not None:
-        if workload.node_selector:
-            spec["nodeSelector"] = dict(workload.node_selector)
-        if workload.tolerations:
-            spec["tolerations"] = [x.model_dump(by_alias=True, exclude_none=True) for x in workload.tolerations]
-    meta = {"labels": {**labels(t, group), LABEL_ROLE: group}}
-    return {"metadata": meta, "spec": spec}
+    spec.update(_placement(opts))
+    if t.image_pull_secrets():
+        spec["imagePullSecrets"] = t.image_pull_secrets()
+    meta: dict[str, Any] = {"labels": {**opts.labels, **labels(t, group), LABEL_ROLE: group}}
+    if opts.annotations:
+        meta["annotations"] = dict(opts.annotations)
+    template = {"metadata": meta, "spec": spec}
+    return pods.merge_template(template, opts.template) if opts.template else template
+
+
+def _placement(opts: PodOptions) -> dict[str, Any]:
+    """nodeSelector, tolerations, affinity and the pod's class / account names, where given."""
+    out: dict[str, Any] = {}
+    if opts.node_selector:
+        out["nodeSelector"] = dict(opts.node_selector)
+    if opts.tolerations:
+        out["tolerations"] = [x.model_dump(by_alias=True, exclude_none=True) for x in opts.tolerations]
+    if opts.affinity:
+        out["affinity"] = dict(opts.affinity)
+    for key, value in (("serviceAccountName", opts.service_account_name),
+                       ("priorityClassName", opts.priority_class_name),
+                       ("runtimeClassName", opts.runtime_class_name)):
+        if value:
+            out[key] = value
+    return out
 
 
 def head_group(t: Target) -> dict[str, Any]:
@@ -162,7 +217,7 @@ def head_group(t: Target) -> dict[str, Any]:
     return {
         # num-cpus 0: no kvmesh replica is ever placed on the head (they ask for group resources anyway).
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
-        "template": pod_template(t, "head", t.spec.head.resources, ports=ports, env=_api_key_env(t)),
+        "template": pod_template(t, "head", t.spec.head, ports=ports, env=_api_key_env(t)),
     }
 
 
@@ -182,7 +237,7 @@ def worker_group(t: Target, group: str, w: WorkloadSpec) -> dict[str, Any]:
         ports.insert(0, {"name": "grpc", "containerPort": GRPC_PORT})
         env = _api_key_env(t)
     return {"groupName": group, "replicas": lo, "minReplicas": lo, "maxReplicas": hi, "rayStartParams": params,
-            "template": pod_template(t, group, w.resources, workload=w, ports=ports, env=env)}
+            "template": pod_template(t, group, w, ports=ports, env=env)}
 
 
 # --- objects ----------------------------------------------------------------------------------
@@ -222,12 +277,15 @@ def _proxy_tls(cfg: ServingConfig) -> dict[str, str]:
 
 def rayservice(t: Target, cfg: ServingConfig) -> dict[str, Any]:
     workloads = t.spec.workloads()
-    cluster = {
+    autoscaling = any(w.scaling is not None for w in workloads.values())
+    cluster: dict[str, Any] = {
         "rayVersion": t.defaults.ray_version,
-        "enableInTreeAutoscaling": any(w.scaling is not None for w in workloads.values()),
+        "enableInTreeAutoscaling": autoscaling,
         "headGroupSpec": head_group(t),
         "workerGroupSpecs": [worker_group(t, g, w) for g, w in workloads.items()],
     }
+    if autoscaling:  # KubeRay's autoscaler sidecar in the head pod gets only this securityContext
+        cluster["autoscalerOptions"] = {"securityContext": pods.container_security_context()}
     return {
         "apiVersion": "ray.io/v1", "kind": "RayService",
         "metadata": _meta(t, child_names(t.name)["rayservice"], "rayservice"),
@@ -245,8 +303,16 @@ def configmap(t: Target, cfg: ServingConfig) -> dict[str, Any]:
             "data": data}
 
 
+def router_selector(t: Target) -> dict[str, str]:
+    """The router pods of the RayCluster that serves (see the module docstring)."""
+    selector = {LABEL_SERVICE: t.name, RAY_GROUP_LABEL: "router", RAY_SERVE_LABEL: "true"}
+    if t.active_cluster:
+        selector[RAY_CLUSTER_LABEL] = t.active_cluster
+    return selector
+
+
 def _router_service(t: Target, key: str, port: dict[str, Any]) -> dict[str, Any]:
-    selector = {LABEL_SERVICE: t.name, RAY_GROUP_LABEL: "router"}
+    selector = router_selector(t)
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(t, child_names(t.name)[key], key),
             "spec": {"type": "ClusterIP", "selector": selector, "ports": [port]}}
 
@@ -278,12 +344,15 @@ def redis(t: Target) -> list[dict[str, Any]]:
         "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
         "resources": {"requests": {"cpu": "100m", "memory": limit}, "limits": {"memory": limit}},
         "readinessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 5},
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "runAsUser": 999},
+        "securityContext": pods.container_security_context(REDIS_UID),
     }
+    pod: dict[str, Any] = {"securityContext": pods.pod_security_context(REDIS_UID), "containers": [container]}
+    if t.image_pull_secrets():
+        pod["imagePullSecrets"] = t.image_pull_secrets()
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(t, name, "redis"),
         "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": selector},
-                 "template": {"metadata": {"labels": labels(t, "redis")}, "spec": {"containers": [container]}}},
+                 "template": {"metadata": {"labels": labels(t, "redis")}, "spec": pod}},
     }
     service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(t, name, "redis"),
                "spec": {"type": "ClusterIP", "selector": selector,
@@ -294,6 +363,7 @@ def redis(t: Target) -> list[dict[str, Any]]:
 def render_all(t: Target) -> list[dict[str, Any]]:
     """Every object this LLMService needs, in apply order (Redis and config before Ray)."""
     cfg = t.serving_config()
-    policies = security.network_policies(t.name, t.namespace, t.spec, labels(t, "network-policy"))
+    policies = security.network_policies(t.name, t.namespace, t.spec, labels(t, "network-policy"),
+                                         t.defaults.kuberay)
     return [configmap(t, cfg), *redis(t), *policies, rayservice(t, cfg), grpc_service(t), http_service(t)]
 

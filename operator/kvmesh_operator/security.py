@@ -8,6 +8,9 @@ and the NetworkPolicies.
     Secret         <name>-redis-auth   generated with a managed Redis: `password` (--requirepass;
                                        KVMESH_REDIS_PASSWORD in the Ray pods)
     NetworkPolicy  <name>-workers      prefill / decode pods admit only this LLMService's pods
+    NetworkPolicy  <name>-head         the Ray head admits this LLMService's pods (GCS 6379, dashboard /
+                                       Jobs API 8265, client 10001, and Ray's other ports) and the KubeRay
+                                       operator on the dashboard and Serve ports (8265, 8000) only
     NetworkPolicy  <name>-redis        the managed Redis admits only this LLMService's pods, on 6379
 
 Generated Secrets hold random values, so they are not part of `render_all` (an apply
@@ -20,19 +23,33 @@ from __future__ import annotations
 
 import base64
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh_operator import GROUP
 from kvmesh_operator.mapping import REDIS_PORT, TLS_MOUNT
+from kvmesh_operator.pods import INTERNAL_TOKEN_ENV, KV_HMAC_ENV, REDIS_PASSWORD_ENV
 from kvmesh_operator.spec import LLMServiceSpec
 
-INTERNAL_TOKEN_ENV = "KVMESH_INTERNAL_TOKEN"
-KV_HMAC_ENV = "KVMESH_KV_HMAC_KEY"
-REDIS_PASSWORD_ENV = "KVMESH_REDIS_PASSWORD"
 LABEL_SERVICE = f"{GROUP}/llmservice"
 LABEL_ROLE = f"{GROUP}/role"
 WORKER_ROLES = ("prefill", "decode")
+KUBERAY_PORTS = (8265, 8000)
+"""What the KubeRay operator calls on a head: the dashboard (Serve REST API, Jobs) and the Serve
+proxy's health check (it labels the head ray.io/serve from it). It never calls GCS or the client port."""
+
+
+@dataclass(frozen=True)
+class KubeRayPeer:
+    """Where the KubeRay operator runs: a NetworkPolicy peer (namespace and pod label selectors)."""
+
+    namespace_selector: dict[str, str] = field(
+        default_factory=lambda: {"kubernetes.io/metadata.name": "kuberay-system"})
+    pod_selector: dict[str, str] = field(default_factory=lambda: {"app.kubernetes.io/name": "kuberay-operator"})
+
+    def peer(self) -> dict[str, Any]:
+        return {"namespaceSelector": {"matchLabels": dict(self.namespace_selector)},
+                "podSelector": {"matchLabels": dict(self.pod_selector)}}
 
 
 @dataclass(frozen=True)
@@ -93,27 +110,34 @@ def redis_auth(name: str) -> tuple[list[dict[str, Any]], list[str]]:
             ["--requirepass", "$(REDIS_PASSWORD)"])
 
 
-def network_policies(name: str, namespace: str, spec: LLMServiceSpec, labels: dict[str, str]
-                     ) -> list[dict[str, Any]]:
-    """Worker pods (and a managed Redis) accept traffic only from this LLMService's pods.
+def _policy(name: str, namespace: str, labels: dict[str, str], selector: dict[str, Any],
+            ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels},
+            "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": ingress}}
 
-    Router and head pods stay reachable: they serve the public gRPC / HTTP endpoints."""
+
+def network_policies(name: str, namespace: str, spec: LLMServiceSpec, labels: dict[str, str],
+                     kuberay: KubeRayPeer | None = None) -> list[dict[str, Any]]:
+    """Worker pods, the Ray head (and a managed Redis) accept traffic only from this LLMService's pods;
+    the head also from the KubeRay operator, on KUBERAY_PORTS.
+
+    The head admits its own cluster on every port: besides GCS (6379), the dashboard (8265) and
+    the client server (10001), workers reach the head's raylet, object manager and the Serve
+    controller's worker ports, which Ray picks at start. Router pods stay reachable: they serve
+    the public gRPC / HTTP endpoints."""
     own = {"podSelector": {"matchLabels": {LABEL_SERVICE: name}}}
-    workers = {
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": {"name": f"{name}-workers", "namespace": namespace, "labels": labels},
-        "spec": {"podSelector": {"matchLabels": {LABEL_SERVICE: name},
-                                 "matchExpressions": [{"key": LABEL_ROLE, "operator": "In",
-                                                       "values": list(WORKER_ROLES)}]},
-                 "policyTypes": ["Ingress"], "ingress": [{"from": [own]}]},
-    }
-    out = [workers]
+    kuberay = kuberay or KubeRayPeer()
+    workers = _policy(f"{name}-workers", namespace, labels,
+                      {"matchLabels": {LABEL_SERVICE: name},
+                       "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": list(WORKER_ROLES)}]},
+                      [{"from": [own]}])
+    head = _policy(f"{name}-head", namespace, labels, {"matchLabels": {LABEL_SERVICE: name, LABEL_ROLE: "head"}},
+                   [{"from": [own]},
+                    {"from": [kuberay.peer()], "ports": [{"protocol": "TCP", "port": p} for p in KUBERAY_PORTS]}])
+    out = [workers, head]
     if spec.cache.redis is not None and spec.cache.redis.managed:
-        out.append({
-            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": {"name": f"{name}-redis", "namespace": namespace, "labels": labels},
-            "spec": {"podSelector": {"matchLabels": {LABEL_SERVICE: name, "app.kubernetes.io/component": "redis"}},
-                     "policyTypes": ["Ingress"],
-                     "ingress": [{"from": [own], "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}]},
-        })
+        out.append(_policy(f"{name}-redis", namespace, labels,
+                           {"matchLabels": {LABEL_SERVICE: name, "app.kubernetes.io/component": "redis"}},
+                           [{"from": [own], "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}]))
     return out

@@ -15,12 +15,12 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
-from pydantic.alias_generators import to_camel
 
 from kvmesh.config import CacheConfig, LoRAConfig, LoRAModule, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvmesh.router.config import RouterConfig, ScorerWeight
 from kvmesh.router.plugins import PLUGINS
 from kvmesh.serve.config import Autoscaling, KVStoreConfig, SLOTargets, TracingConfig
+from kvmesh_operator.podspec import LocalObjectReference, PodOptions, ResourcesSpec, SpecModel, cel
 from kvmesh_operator.quantity import Quantity
 
 MODEL_MOUNT = "/mnt/models"
@@ -31,13 +31,8 @@ class SpecError(ValueError):
     """An `LLMService` spec that cannot be served; the message names the field to change."""
 
 
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True)
-
-
-def _cel(rule: str, message: str) -> dict[str, Any]:
-    """A CEL rule for the CRD schema: the API server rejects what the validators below reject."""
-    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
+_Spec = SpecModel
+_cel = cel
 
 
 def _mirror(model: type[BaseModel], field: str, **overrides: Any) -> Any:
@@ -87,14 +82,6 @@ class EngineSpec(_Spec):
     prefix_caching: bool = _mirror(CacheConfig, "enable_prefix_caching")
 
 
-class ResourcesSpec(_Spec):
-    """Per-pod (= per-replica) resources of a role; requests and limits are set equal."""
-
-    cpu: Quantity = Field("1", description="CPU cores per pod, e.g. 2 or '500m'.")
-    memory: Quantity = Field("4Gi", description="Memory per pod, e.g. '16Gi'.")
-    gpu: int = Field(0, ge=0, description="NVIDIA GPUs per pod (nvidia.com/gpu); > 0 runs the engine on CUDA.")
-
-
 class ScalingSpec(_Spec):
     """Ray Serve autoscaling (worker roles: on kvmesh's queue depth, KV usage and TTFT / TPOT
     against spec.slo by default); the Ray worker group scales with it."""
@@ -119,18 +106,8 @@ class ScalingSpec(_Spec):
         return self
 
 
-class Toleration(_Spec):
-    """A Kubernetes pod toleration."""
-
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
-
-
-class WorkloadSpec(_Spec):
-    """One role's replicas (each one Ray worker pod): a fixed count or autoscaling."""
+class WorkloadSpec(PodOptions):
+    """One role's replicas (each one Ray worker pod): a fixed count or autoscaling, and its pods."""
 
     model_config = ConfigDict(**_Spec.model_config,
                               json_schema_extra=_cel(
@@ -140,9 +117,6 @@ class WorkloadSpec(_Spec):
     replicas: int | None = Field(None, ge=0, description="Fixed replica count (default 1); "
                                  "give either replicas or scaling.")
     scaling: ScalingSpec | None = Field(None, description="Autoscale instead of a fixed count.")
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods require.")
-    tolerations: list[Toleration] = Field(default_factory=list, description="Pod tolerations (e.g. GPU taints).")
 
     @model_validator(mode="after")
     def _one_of(self) -> "WorkloadSpec":
@@ -257,7 +231,9 @@ class TLSSpec(_Spec):
                                       "clients must present a certificate it signed (mutual TLS).")
 
 
-class HeadSpec(_Spec):
+class HeadSpec(PodOptions):
+    """The Ray head pod (GCS, Serve controller, HTTP proxy): no kvmesh replica runs on it."""
+
     resources: ResourcesSpec = Field(default_factory=lambda: ResourcesSpec(cpu="1", memory="4Gi"),
                                      description="Ray head pod (GCS, Serve controller, HTTP proxy).")
 
@@ -344,6 +320,9 @@ class LLMServiceSpec(_Spec):
                                   'spec.adapters needs spec.lora (lora: {} turns LoRA on with its defaults)'))
 
     image: str | None = Field(None, description="kvmesh runtime image; defaults to the operator's.")
+    image_pull_secrets: list[LocalObjectReference] | None = Field(
+        None, description="Secrets to pull the image with, on every pod; unset: the operator's default "
+        "(Helm value image.pullSecrets).")
     model: ModelSpec = Field(default_factory=ModelSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     head: HeadSpec = Field(default_factory=HeadSpec)

@@ -69,8 +69,17 @@ class LLMServiceStatus(_Status):
 
     observed_generation: int | None = Field(None, description="metadata.generation the status reflects.")
     mode: Literal["unified", "disaggregated"] | None = None
+    model: str | None = Field(None, description="The model name clients send (OpenAI `model`).")
+    url: str | None = Field(None, description="Base URL of the OpenAI-compatible HTTP API; set while Ready.")
     ray_service: str | None = Field(None, description="Name of the KubeRay RayService.")
-    conditions: list[Condition] = Field(default_factory=list)
+    ray_cluster: str | None = Field(None, description="The RayCluster that serves (KubeRay's active cluster); "
+                                    "the Services select its router pods.")
+    replicas: int | None = Field(None, description="Ray worker pods KubeRay wants (every role), as it reports.")
+    ready_replicas: int | None = Field(None, description="Ray worker pods ready (every role), as KubeRay "
+                                       "observes them.")
+    pods: str | None = Field(None, description="readyReplicas/replicas, for kubectl get.")
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     endpoints: Endpoints | None = Field(None, description="Set while Ready.")
     roles: Roles | None = None
     adapters: list[AdapterStatus] | None = Field(None, description="spec.adapters as the router serves them "
@@ -99,7 +108,7 @@ def reconcile_failed(reason: str, message: str, generation: int | None, old: dic
     """Status patch for a spec or apply problem (reason in RECONCILE_REASONS)."""
     conditions = _conditions(old, generation, now, (False, reason, message), (False, reason, message),
                              (True, reason, message))
-    return {"observedGeneration": generation, "conditions": conditions, "endpoints": None}
+    return {"observedGeneration": generation, "conditions": conditions, "endpoints": None, "url": None}
 
 
 def is_reconcile_failure(status: dict[str, Any] | None) -> bool:
@@ -122,7 +131,8 @@ def applied(t: Target, generation: int | None, old: dict[str, Any] | None, now: 
         value = (True, kept["reason"], kept.get("message", "")) if same and kept.get("status") == "True" else \
             (False, "Syncing", "the router loads the adapters of this generation")
         conditions.append(_cond("AdaptersReady", *value, generation, (old or {}).get("conditions") or [], now))
-    return {"observedGeneration": generation, "mode": t.spec.mode, "rayService": t.name, "conditions": conditions}
+    return {"observedGeneration": generation, "mode": t.spec.mode, "model": t.model_id, "rayService": t.name,
+            "conditions": conditions}
 
 
 def _old_condition(old: dict[str, Any] | None, kind: str) -> dict[str, Any]:
@@ -185,8 +195,26 @@ def from_rayservice(t: Target, rayservice: dict[str, Any] | None, old: dict[str,
         progressing=(True, "Upgrading", "KubeRay is rolling a new Ray cluster") if upgrading else
         ((False, "Serving", "") if ready else (not degraded, "Deploying" if not degraded else "Stalled", "")),
         degraded=why)
-    return {"mode": t.spec.mode, "rayService": t.name, "conditions": conditions,
-            "endpoints": endpoints(t) if ready else None, "roles": roles(t, deployments)}
+    ends = endpoints(t) if ready else None
+    return {"mode": t.spec.mode, "model": t.model_id, "rayService": t.name, "rayCluster": active_cluster(rayservice),
+            **_pods(rs), "conditions": conditions, "endpoints": ends, "url": ends["http"] if ends else None,
+            "roles": roles(t, deployments)}
+
+
+def active_cluster(rayservice: dict[str, Any] | None) -> str | None:
+    """The RayCluster KubeRay serves from, once it names one."""
+    active = ((rayservice or {}).get("status") or {}).get("activeServiceStatus") or {}
+    return active.get("rayClusterName") or None
+
+
+def _pods(rs_status: dict[str, Any]) -> dict[str, Any]:
+    """replicas / readyReplicas / pods from the active RayCluster's status (None: not reported)."""
+    cluster = (rs_status.get("activeServiceStatus") or {}).get("rayClusterStatus") or {}
+    want, ready = cluster.get("desiredWorkerReplicas"), cluster.get("readyWorkerReplicas")
+    if not isinstance(want, int):
+        return {"replicas": None, "readyReplicas": None, "pods": None}
+    ready = ready if isinstance(ready, int) else 0
+    return {"replicas": want, "readyReplicas": ready, "pods": f"{ready}/{want}"}
 
 
 # --- adapters ------------------------------------------------------------------------------

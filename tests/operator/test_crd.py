@@ -35,8 +35,18 @@ def test_crd_is_valid_and_structural():
     validate_builtin([crd])
     [version] = crd["spec"]["versions"]
     assert version["subresources"] == {"status": {}} and crd["spec"]["names"]["shortNames"] == ["llms"]
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Mode", "Prefill", "Decode",
-                                                                          "Reason", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Ready", "Model", "Mode", "Prefill", "Decode", "Pods", "URL", "Reason", "Age"]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    for column in version["additionalPrinterColumns"]:  # every column reads a status field the CRD declares
+        path = column["jsonPath"].split("[")[0].removeprefix(".status.").split(".")
+        if column["jsonPath"].startswith(".status."):
+            node = status[path[0]]
+            for part in path[1:]:
+                node = node["properties"][part]
+    conditions = status["conditions"]
+    assert (conditions["x-kubernetes-list-type"], conditions["x-kubernetes-list-map-keys"]) == ("map", ["type"])
+    assert "type" in conditions["items"]["required"]  # a map key must be required
 
     def walk(node, path):
         assert "$ref" not in node and node.get("additionalProperties") is not False, path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -99,15 +100,33 @@ def test_gpu_placement_volumes_and_auth():
     assert all(e["name"] != "KVMESH_API_KEY" for e in container["env"])  # the key goes to router and head pods only
 
 
-def test_services_select_router_pods_and_redis():
-    _, objs = _render("disaggregated-gpu")
-    router_labels = {g["groupName"]: g for g in objs["RayService/svc"]["spec"]["rayClusterConfig"]
-                     ["workerGroupSpecs"]}["router"]["template"]["metadata"]["labels"]
-    pod_labels = {**router_labels, "ray.io/group": "router"}  # KubeRay adds ray.io/group to every pod
+def _kuberay_labels(group_spec: dict, cluster: str) -> dict[str, str]:
+    """A RayService worker pod's labels as KubeRay sets them (ray-operator common/pod.go: labelPod, BuildPod)."""
+    return {**group_spec["template"]["metadata"]["labels"], "ray.io/group": group_spec["groupName"],
+            "ray.io/cluster": cluster, "ray.io/node-type": "worker", "ray.io/serve": "true"}
+
+
+def test_services_select_the_serving_clusters_router_pods_and_redis():
+    t, objs = _render("disaggregated-gpu")
+    groups = {g["groupName"]: g for g in objs["RayService/svc"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    head = objs["RayService/svc"]["spec"]["rayClusterConfig"]["headGroupSpec"]
+    head_labels = {**head["template"]["metadata"]["labels"], "ray.io/group": "headgroup",
+                   "ray.io/cluster": "svc-a", "ray.io/node-type": "head", "ray.io/serve": "true"}
+    # Before KubeRay names the cluster that serves there is only one: every router pod of it matches.
+    pinned = {o["metadata"]["name"]: o for o in render_all(replace(t, active_cluster="svc-a"))
+              if o["kind"] == "Service"}
     for name, port in (("svc-grpc", 50051), ("svc-http", 8000)):
         svc = objs[f"Service/{name}"]["spec"]
         assert svc["ports"][0]["port"] == port
-        assert svc["selector"].items() <= pod_labels.items() and svc["selector"]["ray.io/group"] == "router"
+        assert svc["selector"] == {"kvmesh.dev/llmservice": "svc", "ray.io/group": "router", "ray.io/serve": "true"}
+        assert svc["selector"].items() <= _kuberay_labels(groups["router"], "svc-a").items()
+        # Then only that cluster's: an upgrade's second cluster (svc-b) gets no traffic until KubeRay switches.
+        selector = pinned[name]["spec"]["selector"]
+        assert selector.items() <= _kuberay_labels(groups["router"], "svc-a").items()
+        assert not selector.items() <= _kuberay_labels(groups["router"], "svc-b").items()
+        for other in (_kuberay_labels(groups["decode"], "svc-a"), _kuberay_labels(groups["prefill"], "svc-a"),
+                      head_labels, {**_kuberay_labels(groups["router"], "svc-a"), "ray.io/serve": "false"}):
+            assert not selector.items() <= other.items()
     redis = objs["Deployment/svc-redis"]["spec"]["template"]["spec"]["containers"][0]
     assert redis["args"][:4] == ["--maxmemory", str(2 * 2**30), "--maxmemory-policy", "allkeys-lru"]
     assert objs["Service/svc-redis"]["spec"]["selector"].items() <= \
