@@ -1,8 +1,14 @@
-"""Thin, idempotent kopf handlers: parse -> render -> apply, and a status timer.
+"""Thin, idempotent kopf handlers: parse -> render -> apply, a status timer and a drift timer.
 
-Every decision lives in `spec` (validation), `render` (manifests) and `status`
-(conditions); every API call in `k8s`. Retry policy by cause: an invalid spec is
-permanent (fixed by editing the spec, which triggers `update`); API trouble is temporary.
+Every decision lives in `spec` (validation), `render` (manifests), `status` (conditions)
+and `drift` (what to repair); every API call in `k8s`. Retry policy by cause: an invalid
+spec is permanent (fixed by editing the spec, which triggers `update`); API trouble is
+temporary.
+
+Owned objects come back on their own: `repair_drift` re-renders an LLMService whose current
+generation is applied and re-applies each owned object that was deleted or whose rendered
+fields were edited, without touching the LLMService. The status timer moves the Services to
+the RayCluster KubeRay serves from as soon as KubeRay switches (`render.router_selector`).
 """
 
 from __future__ import annotations
@@ -11,26 +17,51 @@ import base64
 import binascii
 import contextlib
 import datetime
+import json
 import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 import kopf
 
-from kvmesh_operator import GROUP, PLURAL, VERSION, k8s, metrics, probe, render, security
+from kvmesh_operator import GROUP, PLURAL, VERSION, drift, k8s, metrics, probe, render, security
 from kvmesh_operator import status as st
 from kvmesh_operator.spec import SpecError, check_name, parse_spec
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 STATUS_INTERVAL_S = float(os.environ.get("KVMESH_STATUS_INTERVAL_S", "15"))
 """How often the status timer reads the RayService (read once, at import)."""
+DRIFT_INTERVAL_S = float(os.environ.get("KVMESH_DRIFT_INTERVAL_S", "30"))
+"""How often the owned objects are compared with what the operator renders (read once, at import)."""
+log = logging.getLogger(__name__)
+
+
+def _selector_env(name: str, default: dict[str, str]) -> dict[str, str]:
+    """A label selector from a JSON object in `name` (Helm passes values as `toJson`)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return dict(default)
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}: expected a JSON object of label keys to values, got {raw!r} ({e})") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError(f"{name}: expected a JSON object of label keys to string values, got {raw!r}")
+    return value
 
 
 def defaults_from_env() -> render.Defaults:
+    """Operator-wide settings from the environment the Helm chart sets (values.yaml documents them)."""
     d = render.Defaults()
+    secrets = tuple(n.strip() for n in os.environ.get("KVMESH_IMAGE_PULL_SECRETS", "").split(",") if n.strip())
+    kuberay = security.KubeRayPeer(
+        namespace_selector=_selector_env("KVMESH_KUBERAY_NAMESPACE_SELECTOR", d.kuberay.namespace_selector),
+        pod_selector=_selector_env("KVMESH_KUBERAY_POD_SELECTOR", d.kuberay.pod_selector))
     return render.Defaults(image=os.environ.get("KVMESH_IMAGE", d.image),
                            redis_image=os.environ.get("KVMESH_REDIS_IMAGE", d.redis_image),
-                           ray_version=os.environ.get("KVMESH_RAY_VERSION", d.ray_version))
+                           ray_version=os.environ.get("KVMESH_RAY_VERSION", d.ray_version),
+                           image_pull_secrets=secrets, kuberay=kuberay)
 
 
 def _now() -> str:
@@ -67,6 +98,10 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # Events for problems only, not every success
     # Watch exactly the namespaces given (or all): no namespace / CRD scanning, so no RBAC for them.
     settings.scanning.disabled = True
+    # A timer caught mid-run by a deletion stops at its next check of `stopped` (repair_drift checks
+    # before every write); look again soon instead of kopf's default minute, so finalizers go promptly.
+    settings.background.instant_exit_timeout = 0.5
+    settings.background.cancellation_polling = 2.0
     memo.setdefault("defaults", defaults_from_env())
     _api(memo)
 
@@ -101,6 +136,7 @@ def _children(name: str) -> list[tuple[str, str, str]]:
             ("v1", "services", names["http"]), ("v1", "services", names["redis"]),
             ("apps/v1", "deployments", names["redis"]), ("v1", "configmaps", names["configmap"]),
             ("networking.k8s.io/v1", "networkpolicies", names["workers-policy"]),
+            ("networking.k8s.io/v1", "networkpolicies", names["head-policy"]),
             ("networking.k8s.io/v1", "networkpolicies", names["redis-policy"]),
             ("v1", "secrets", security.internal_secret_name(name)), ("v1", "secrets", security.redis_secret_name(name))]
 
@@ -140,10 +176,11 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, spec: kopf.Spec,
         patch.status.update(st.reconcile_failed("InvalidSpec", str(e), generation, old, _now()))
         kopf.warn(body, reason="InvalidSpec", message=str(e))
         raise kopf.PermanentError(f"invalid spec: {e}") from None
-    objects = render.render_all(t)
-    kopf.adopt(objects, owner=body)
     api = _api(memo)
     try:
+        t = replace(t, active_cluster=st.active_cluster(await _rayservice(api, t)))
+        objects = render.render_all(t)
+        kopf.adopt(objects, owner=body)
         await _ensure_secrets(api, t, body)
         for obj in objects:
             await api.apply(obj)
@@ -160,10 +197,20 @@ async def reconcile(body: kopf.Body, name: str, namespace: str, spec: kopf.Spec,
     patch.status.update(st.applied(t, generation, old, _now()))
 
 
+async def _rayservice(api: k8s.Api, t: render.Target) -> dict[str, Any] | None:
+    return await api.get("ray.io/v1", "rayservices", t.namespace, render.child_names(t.name)["rayservice"])
+
+
+def _applied(status: dict[str, Any], meta: kopf.Meta) -> bool:
+    """Reconcile has applied the current generation (until then the objects are its to write)."""
+    return not st.is_reconcile_failure(status) and status.get("observedGeneration") == meta.get("generation")
+
+
 @kopf.timer(*RESOURCE, interval=STATUS_INTERVAL_S)
-async def refresh_status(name: str, namespace: str, spec: kopf.Spec, status: kopf.Status, patch: kopf.Patch,
-                         memo: Any, **_: Any) -> None:
-    """Serving health from the RayService KubeRay maintains; writes only on change."""
+async def refresh_status(body: kopf.Body, name: str, namespace: str, spec: kopf.Spec, meta: kopf.Meta,
+                         status: kopf.Status, patch: kopf.Patch, memo: Any, **_: Any) -> None:
+    """Serving health from the RayService KubeRay maintains; writes only on change. When KubeRay
+    switches to another RayCluster, the Services follow it first."""
     old = dict(status)
     if st.is_reconcile_failure(old):
         return
@@ -171,8 +218,16 @@ async def refresh_status(name: str, namespace: str, spec: kopf.Spec, status: kop
         t = _target(name, namespace, spec, memo)
     except SpecError:
         return  # reconcile reports it
+    api = _api(memo)
     try:
-        rayservice = await _api(memo).get("ray.io/v1", "rayservices", namespace, render.child_names(name)["rayservice"])
+        rayservice = await _rayservice(api, t)
+        active = st.active_cluster(rayservice)
+        if active is not None and active != old.get("rayCluster") and _applied(old, meta):
+            services = [render.grpc_service(replace(t, active_cluster=active)),
+                        render.http_service(replace(t, active_cluster=active))]
+            kopf.adopt(services, owner=body)
+            for obj in services:
+                await api.apply(obj)
     except k8s.ApiError as e:
         raise kopf.TemporaryError(f"reading the RayService: {e}", delay=STATUS_INTERVAL_S) from None
     new = st.from_rayservice(t, rayservice, old, _now())
@@ -185,6 +240,42 @@ async def refresh_status(name: str, namespace: str, spec: kopf.Spec, status: kop
     metrics.READY.labels(namespace, name).set(1 if ready else 0)
     if st.changed(old, new):
         patch.status.update(new)
+
+
+@kopf.timer(*RESOURCE, interval=DRIFT_INTERVAL_S)
+async def repair_drift(body: kopf.Body, name: str, namespace: str, spec: kopf.Spec, meta: kopf.Meta,
+                       status: kopf.Status, memo: Any, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    """Re-apply every owned object that was deleted or edited since reconcile applied it."""
+    if not _applied(dict(status), meta) or meta.get("deletionTimestamp"):
+        return  # reconcile owns this generation (or reports why it cannot apply it); or it is going away
+    try:
+        t = _target(name, namespace, spec, memo)
+    except SpecError:
+        return
+    api = _api(memo)
+    repaired: list[str] = []
+    try:
+        rayservice = await _rayservice(api, t)
+        t = replace(t, active_cluster=st.active_cluster(rayservice))
+        objects = render.render_all(t)
+        kopf.adopt(objects, owner=body)
+        for obj in objects:
+            kind, obj_name = k8s.kind_of(obj), obj["metadata"]["name"]
+            live = rayservice if obj["kind"] == "RayService" else \
+                await api.get(kind.api_version, kind.plural, namespace, obj_name)
+            where = drift.drifted(obj, live)
+            if stopped:  # being deleted (or the operator stops): never re-create what the delete handler removes
+                return
+            if where is not None:
+                await api.apply(obj)
+                metrics.DRIFT_REPAIRS.labels(obj["kind"]).inc()
+                repaired.append(f"{obj['kind']}/{obj_name} ({where})")
+        if not stopped:
+            await _ensure_secrets(api, t, body)
+    except k8s.ApiError as e:
+        raise kopf.TemporaryError(f"repairing owned objects: {e}", delay=DRIFT_INTERVAL_S) from None
+    if repaired:
+        log.warning("LLMService %s/%s: re-applied %s", namespace, name, ", ".join(repaired))
 
 
 async def _models(t: render.Target, ready: bool, api: k8s.Api

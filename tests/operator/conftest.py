@@ -10,8 +10,9 @@ import yaml
 
 from k8s_helpers import CRD_FILE, ROOT, SHARED_K8S, find_tool  # noqa: F401
 
-# The status timer's interval is read when kvmesh_operator.handlers is imported.
+# The status and drift timers' intervals are read when kvmesh_operator.handlers is imported.
 os.environ.setdefault("KVMESH_STATUS_INTERVAL_S", "0.3")
+os.environ.setdefault("KVMESH_DRIFT_INTERVAL_S", "0.3")
 try:
     import kvmesh_operator  # noqa: F401  (installed: pyproject finds packages in operator/)
 except ImportError:  # an install that predates operator/ in packages.find

@@ -164,9 +164,12 @@ HEALTHY = {
     "serviceStatus": "Running",
     "conditions": [{"type": "Ready", "status": "True", "reason": "NonZeroServeEndpoints",
                     "lastTransitionTime": "2026-01-01T00:00:00Z"}],
-    "activeServiceStatus": {"applicationStatuses": {"chat": {
-        "status": "RUNNING",
-        "serveDeploymentStatuses": {d: {"status": "HEALTHY"} for d in ("router", "prefill", "decode")}}}},
+    "activeServiceStatus": {"rayClusterName": "chat-x7k2p",
+                            "rayClusterStatus": {"desiredWorkerReplicas": 7, "readyWorkerReplicas": 7},
+                            "applicationStatuses": {"chat": {
+                                "status": "RUNNING",
+                                "serveDeploymentStatuses": {d: {"status": "HEALTHY"}
+                                                            for d in ("router", "prefill", "decode")}}}},
 }
 
 
@@ -183,7 +186,8 @@ async def test_lifecycle_create_update_ready_delete(api, operator):
 
     objs = await eventually(children)
     secured = [await get(api, p) for p in (f"{SECRETS}/chat-internal", f"{SECRETS}/chat-redis-auth",
-                                           f"{POLICIES}/chat-workers", f"{POLICIES}/chat-redis")]
+                                           f"{POLICIES}/chat-workers", f"{POLICIES}/chat-redis",
+                                           f"{POLICIES}/chat-head")]
     assert all(secured), "generated Secrets and NetworkPolicies"
     token = secured[0]["data"]["token"]
     assert len(token) > 40 and secured[1]["data"]["password"] != token
@@ -226,6 +230,20 @@ async def test_lifecycle_create_update_ready_delete(api, operator):
                                          "maxReplicas": 4, "readyReplicas": 4, "ready": "4/4"}
     assert status["observedGeneration"] == 2
     assert condition({"status": status}, "Degraded")["status"] == "False"
+    assert (status["model"], status["url"], status["pods"], status["readyReplicas"]) == (
+        "chat", "http://chat-http.ml.svc:8000", "7/7", 7)
+
+    # The Services select the router pods of the RayCluster KubeRay serves from, and follow it when
+    # an upgrade switches traffic to a new cluster.
+    async def services_on(cluster):
+        selectors = [(await get(api, f"{SERVICES}/chat-{k}"))["spec"]["selector"] for k in ("grpc", "http")]
+        return all(sel.get("ray.io/cluster") == cluster and sel["ray.io/serve"] == "true" for sel in selectors)
+
+    await eventually(lambda: services_on("chat-x7k2p"))
+    assert (await get(api, f"{LLMS}/chat"))["status"]["rayCluster"] == "chat-x7k2p"
+    await write(api, "PATCH", f"{RAYSERVICES}/chat/status", {"status": {"activeServiceStatus": {
+        "rayClusterName": "chat-q9w3z"}}})
+    await eventually(lambda: services_on("chat-q9w3z"))
 
     # A deployment turns unhealthy -> Degraded with the reason and KubeRay's message.
     broken = {"activeServiceStatus": {"applicationStatuses": {"chat": {"status": "DEPLOY_FAILED",
@@ -408,3 +426,64 @@ async def test_invalid_adapters_surface_in_status(api, operator):
     await write(api, "PATCH", f"{LLMS}/broken", {"spec": {"adapters": [{"name": "sql", "source": "/models/sql"}]}})
     await eventually(lambda: get(api, f"{RAYSERVICES}/broken"))
     assert (await eventually(lambda: _cond(api, "Degraded", "False", "broken")))["reason"] == "AsExpected"
+
+
+# --- drift: owned objects that are deleted or edited come back; the LLMService is not touched ------
+
+def _writes(api: ApiServer) -> list[str]:
+    """Paths of every create / patch of an owned object (not the LLMService, not a status)."""
+    return [r.url.path for r in api if r.method in ("POST", "PATCH") and not r.url.path.startswith(LLMS)
+            and not r.url.path.endswith("/status") and "/events" not in r.url.path]
+
+
+def _reads(api: ApiServer, path: str) -> int:
+    return sum(1 for r in api if r.method == "GET" and r.url.path == path)
+
+
+async def test_drift_deleted_or_edited_objects_come_back(api, operator):
+    await write(api, "POST", LLMS, llmservice("chat", {"decode": {"replicas": 1}}))
+
+    async def applied():  # reconcile applied generation 1 (it writes observedGeneration last)
+        return ((await get(api, f"{LLMS}/chat")).get("status") or {}).get("observedGeneration") == 1
+
+    await eventually(applied)
+    rayservice = await get(api, f"{RAYSERVICES}/chat")
+    policy = await get(api, f"{POLICIES}/chat-head")
+    owner = await get(api, f"{LLMS}/chat")
+
+    # Unchanged objects are only read: a few drift checks (each reads the ConfigMap) write nothing.
+    writes, reads = len(_writes(api)), _reads(api, f"{CONFIGMAPS}/chat-config")
+    await eventually(lambda: _async(_reads(api, f"{CONFIGMAPS}/chat-config") >= reads + 3))
+    assert _writes(api)[writes:] == []
+
+    # Deleted: the RayService and the head NetworkPolicy are created again, as rendered.
+    for path in (f"{RAYSERVICES}/chat", f"{POLICIES}/chat-head"):
+        async with api.request("DELETE", path) as resp:
+            assert resp.status == 200, await resp.text()
+    back = await eventually(lambda: get(api, f"{RAYSERVICES}/chat"))
+    assert back["metadata"]["uid"] != rayservice["metadata"]["uid"] and back["spec"] == rayservice["spec"]
+    assert back["metadata"]["ownerReferences"] == rayservice["metadata"]["ownerReferences"]
+    assert (await eventually(lambda: get(api, f"{POLICIES}/chat-head")))["spec"] == policy["spec"]
+
+    # Edited: a Service that selects the decode pods, a head policy opened to everyone, fewer workers.
+    await write(api, "PATCH", f"{SERVICES}/chat-grpc", {"spec": {"selector": {"ray.io/group": "decode"}}})
+    await write(api, "PATCH", f"{POLICIES}/chat-head", {"spec": {"ingress": [{}]}})
+    groups = back["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    await write(api, "PATCH", f"{RAYSERVICES}/chat", {"spec": {"rayClusterConfig": {"workerGroupSpecs": [
+        {**g, "replicas": 0} for g in groups]}}})
+
+    async def repaired():
+        svc, pol, rs = [await get(api, p) for p in (f"{SERVICES}/chat-grpc", f"{POLICIES}/chat-head",
+                                                     f"{RAYSERVICES}/chat")]
+        return (svc["spec"]["selector"]["ray.io/group"] == "router" and pol["spec"] == policy["spec"]
+                and rs["spec"] == rayservice["spec"])
+
+    await eventually(repaired)
+    after = await get(api, f"{LLMS}/chat")
+    assert (after["metadata"]["generation"], after["spec"]) == (owner["metadata"]["generation"], owner["spec"])
+    assert not [r for r in api if r.method in ("PATCH", "PUT") and r.url.path == f"{LLMS}/chat"
+                and "spec" in (r.data or {})], "the LLMService's spec was written"
+
+
+async def _async(value: Any) -> Any:
+    return value
