@@ -1,16 +1,18 @@
 """What the operator renders for security: TLS from a Secret on every Ray pod and in the
 serving config, generated internal token / KV key / Redis password handed to the pods as
 environment (never in the ConfigMap), Redis with --requirepass, NetworkPolicies that admit
-only the LLMService's own pods to workers and Redis."""
+only the LLMService's own pods to workers and Redis, and only them and KubeRay to the Ray head."""
 
 from __future__ import annotations
 
 import base64
 
 import kubernetes_validate
+import pytest
 import yaml
 
 from kvmesh.serve.config import ServingConfig
+from kvmesh_operator.handlers import defaults_from_env
 from kvmesh_operator.render import Target, render_all
 from kvmesh_operator.security import generated_secrets, secret_manifest
 from kvmesh_operator.spec import parse_spec
@@ -88,3 +90,38 @@ def test_network_policies_admit_only_this_llmservice():
                       if g["groupName"] == group)["template"]["metadata"]["labels"]
         assert labels["kvmesh.dev/llmservice"] == "chat" and labels["kvmesh.dev/role"] == group
     assert "NetworkPolicy/chat-redis" not in _objs({})
+
+
+def test_ray_head_admits_its_own_pods_and_the_kuberay_operator_only():
+    objs = _objs()
+    head = objs["NetworkPolicy/chat-head"]
+    kubernetes_validate.validate(head, "1.35.0", strict=True)
+    cluster = objs["RayService/chat"]["spec"]["rayClusterConfig"]
+    head_labels = cluster["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert head["spec"]["podSelector"] == {"matchLabels": {"kvmesh.dev/llmservice": "chat", "kvmesh.dev/role": "head"}}
+    assert head["spec"]["podSelector"]["matchLabels"].items() <= head_labels.items()
+    assert not any(head["spec"]["podSelector"]["matchLabels"].items() <= g["template"]["metadata"]["labels"].items()
+                   for g in cluster["workerGroupSpecs"])
+    own, kuberay = head["spec"]["ingress"]
+    # Its own Ray cluster on every port: GCS 6379, dashboard 8265, client 10001 and the ports Ray picks.
+    assert own == {"from": [{"podSelector": {"matchLabels": {"kvmesh.dev/llmservice": "chat"}}}]}
+    # KubeRay on the dashboard (Serve REST API) and the Serve proxy's health check; never GCS or the client port.
+    assert kuberay == {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}},
+                                 "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}],
+                       "ports": [{"protocol": "TCP", "port": 8265}, {"protocol": "TCP", "port": 8000}]}
+    assert head["spec"]["policyTypes"] == ["Ingress"]
+
+
+def test_kuberay_selectors_come_from_the_operator_settings(monkeypatch):
+    monkeypatch.setenv("KVMESH_KUBERAY_NAMESPACE_SELECTOR", '{"team": "platform"}')
+    monkeypatch.setenv("KVMESH_KUBERAY_POD_SELECTOR", '{"app": "kuberay"}')
+    monkeypatch.setenv("KVMESH_IMAGE_PULL_SECRETS", "ghcr, mirror")
+    defaults = defaults_from_env()
+    assert defaults.image_pull_secrets == ("ghcr", "mirror")
+    objs = render_all(Target("chat", "ml", parse_spec({}), defaults))
+    [_, kuberay] = next(o for o in objs if o["metadata"]["name"] == "chat-head")["spec"]["ingress"]
+    assert kuberay["from"] == [{"namespaceSelector": {"matchLabels": {"team": "platform"}},
+                                "podSelector": {"matchLabels": {"app": "kuberay"}}}]
+    monkeypatch.setenv("KVMESH_KUBERAY_POD_SELECTOR", "app=kuberay")
+    with pytest.raises(ValueError, match="KVMESH_KUBERAY_POD_SELECTOR: expected a JSON object"):
+        defaults_from_env()
