@@ -10,8 +10,10 @@ import subprocess
 import pytest
 import yaml
 from k8s_helpers import CRD_FILE, ROOT, find_tool, validate_builtin, validate_schema
+from pod_security import restricted_violations
 
-from kvmesh_operator.render import Target
+from kvmesh_operator.handlers import defaults_from_env
+from kvmesh_operator.render import Target, render_all
 from kvmesh_operator.spec import parse_spec
 
 CHART = ROOT / "helm" / "kvmesh"
@@ -130,3 +132,35 @@ def test_llmservice_with_lora_adapters(helm, tmp_path, llmservice_schema):
                            "--set", "llmService.adapters[0].name=sql", "--set", "llmService.adapters[0].source=/a"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "llmService.lora.enabled=true" in proc.stderr
+
+
+@pytest.mark.parametrize("values", [[], CUSTOM], ids=["default", "custom"])
+def test_operator_pod_meets_the_restricted_profile(helm, values):
+    pod = _template(helm, *values)["Deployment/kvmesh-system/kvmesh"]["spec"]["template"]["spec"]
+    assert restricted_violations(pod) == []
+
+
+def test_pull_secrets_and_kuberay_location_reach_the_operator_and_its_pods(helm, monkeypatch):
+    objs = _template(helm, "--set", "image.pullSecrets[0]=ghcr", "--set", "image.pullSecrets[1].name=mirror",
+                     "--set", "kuberay.namespaceSelector.kubernetes\\.io/metadata\\.name=ray-system",
+                     "--set", "driftIntervalSeconds=45")
+    validate_builtin(objs.values())
+    pod = objs["Deployment/kvmesh-system/kvmesh"]["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "ghcr"}, {"name": "mirror"}]
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert env["KVMESH_DRIFT_INTERVAL_S"] == "45"
+    # The operator reads what the chart sets: every Ray pod pulls with the chart's secrets and the
+    # head admits KubeRay from the configured namespace.
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    objs = render_all(Target("chat", "ml", parse_spec({}), defaults_from_env()))
+    cluster = next(o for o in objs if o["kind"] == "RayService")["spec"]["rayClusterConfig"]
+    for group in (cluster["headGroupSpec"], *cluster["workerGroupSpecs"]):
+        assert group["template"]["spec"]["imagePullSecrets"] == [{"name": "ghcr"}, {"name": "mirror"}]
+    [_, kuberay] = next(o for o in objs if o["metadata"]["name"] == "chat-head")["spec"]["ingress"]
+    assert kuberay["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ray-system"}},
+                                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}]
+    # The old top-level key fails the render with where it went.
+    proc = subprocess.run([helm, "template", "kvmesh", str(CHART), "--set", "imagePullSecrets[0].name=x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "imagePullSecrets moved to image.pullSecrets" in proc.stderr

@@ -58,3 +58,19 @@ app.kubernetes.io/component: operator
   resources: [events]
   verbs: [create]
 {{- end -}}
+
+{{/* image.pullSecrets as comma-separated names (entries are names or {name: ...}). */}}
+{{- define "kvmesh.pullSecretNames" -}}
+{{- if hasKey .Values "imagePullSecrets" -}}
+{{- fail "imagePullSecrets moved to image.pullSecrets (it is also the default of every LLMService pod)" -}}
+{{- end -}}
+{{- $names := list -}}
+{{- range .Values.image.pullSecrets -}}
+{{- if kindIs "string" . -}}
+{{- $names = append $names . -}}
+{{- else if kindIs "map" . -}}
+{{- $names = append $names (get . "name") -}}
+{{- end -}}
+{{- end -}}
+{{- join "," (compact $names) -}}
+{{- end -}}
