@@ -102,6 +102,8 @@ def test_kustomize_base_builds(helm):
     objs = [o for o in yaml.safe_load_all(_run(kubectl, "kustomize", str(ROOT / "deploy"))) if o]
     assert sorted(o["kind"] for o in objs) == ["LLMService", "LLMService", "Namespace"]
     assert {o["metadata"].get("namespace") for o in objs if o["kind"] == "LLMService"} == {"kvmesh-serving"}
+    [namespace] = [o for o in objs if o["kind"] == "Namespace"]
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
 
 
 LORA_VALUES = {"llmService": {

@@ -50,3 +50,20 @@ def test_retry_policy_by_cause():
     assert _failure(ApiError(503, "ServiceUnavailable", ""))[:2] == ("ApplyFailed", False)
     assert _failure(ApiError(0, "ClientConnectorError", ""))[:2] == ("ApplyFailed", False)
     assert _failure(ApiError(403, "Forbidden", "")) == ("ApplyFailed", False, 30.0)
+
+
+def test_observed_pods_model_url_and_serving_cluster():
+    rs = {"status": {"conditions": [{"type": "Ready", "status": "True"}],
+                     "activeServiceStatus": {"rayClusterName": "chat-x7k2p",
+                                             "rayClusterStatus": {"desiredWorkerReplicas": 4, "readyWorkerReplicas": 3},
+                                             "applicationStatuses": {"chat": {"status": "RUNNING",
+                                                 "serveDeploymentStatuses": {"unified": {"status": "HEALTHY"}}}}}}}
+    patch = st.from_rayservice(T, rs, None, NOW)
+    assert (patch["replicas"], patch["readyReplicas"], patch["pods"]) == (4, 3, "3/4")
+    assert (patch["model"], patch["rayCluster"], patch["url"]) == ("chat", "chat-x7k2p", "http://chat-http.ml.svc:8000")
+    # Not ready: no URL; KubeRay not reporting pods yet: no counts.
+    waiting = st.from_rayservice(T, {"status": {"serviceStatus": "WaitForServeDeploymentReady"}}, patch, NOW)
+    assert (waiting["url"], waiting["pods"], waiting["rayCluster"]) == (None, None, None)
+    named = Target("chat", "ml", parse_spec({"model": {"name": "llama-3"}}))
+    assert st.applied(named, 1, None, NOW)["model"] == "llama-3"
+    assert st.reconcile_failed("InvalidSpec", "x", 1, patch, NOW)["url"] is None
