@@ -58,7 +58,8 @@ TIERS = ("avx512", "avx2", "generic")
 MARCH_ENV = "KVMESH_CPU_MARCH"
 # KVMESH_CPU_MARCH=portable: the x86-64 level each tier is built for. v3 has AVX2, FMA, F16C;
 # v4 adds AVX512F/BW/DQ/VL: every macro csrc/ tests for, and nothing a CPU of the tier may lack.
-PORTABLE_MARCH = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "generic": "x86-64"}
+# generic: the compiler's default target (the baseline of any architecture).
+PORTABLE_MARCH = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "generic": None}
 MARKER = "kvmesh_build.json"
 
 _lock = threading.Lock()
@@ -184,8 +185,8 @@ def _digest() -> str:
 def _target(tier: str, mode: str) -> tuple[str, list[str]]:
     """(library name, compiler flags) of `tier`'s build in march `mode`: both depend on nothing
     else, so one name always means one set of flags."""
-    arch = f"-march={PORTABLE_MARCH[tier]}" if mode == "portable" else "-march=native"
-    flags = ["-O3", arch, "-fopenmp",
+    level = PORTABLE_MARCH[tier] if mode == "portable" else "native"
+    flags = ["-O3", *([f"-march={level}"] if level else []), "-fopenmp",
              # Reassociation lets gcc vectorize the dot-product reductions.
              "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
     if tier != "avx512" and mode == "native":
