@@ -173,8 +173,11 @@ def test_dockerfile_labels_pins_and_non_root_user(dockerfile, tmp_path):
     uid, _, gid = replay.user.partition(":")
     assert uid.isdigit() and int(uid) > 0 and gid.isdigit() and int(gid) > 0
     assert subprocess.run(["bash", "-n", *map(str, (REPO / "deploy" / "image").glob("*.sh"))]).returncode == 0
+    values = yaml.safe_load((REPO / "helm" / "kvmesh" / "values.yaml").read_text())
+    # The tag the header's build command gives is the chart's default for that image.
+    repo = values["runtimeImage" if dockerfile == RUNTIME else "image"]["repository"]
+    assert f"-t {repo}:{version} ." in dockerfile.read_text()
     if dockerfile == RUNTIME:
-        values = yaml.safe_load((REPO / "helm" / "kvmesh" / "values.yaml").read_text())
         assert _arg_default(stages, "RAY_VERSION") == values["rayVersion"]
         assert f'"torch=={_arg_default(stages, "TORCH_VERSION")}"' in (REPO / "scripts" / "install.sh").read_text()
 
