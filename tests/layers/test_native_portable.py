@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from kvmesh.cli import main
 from kvmesh.errors import KVMeshError
 from kvmesh.layers import native
 
@@ -55,3 +56,12 @@ def test_tiers_a_cpu_runs_and_prebuild_refuses_the_others(monkeypatch):
         native.prebuild("avx512")
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx2", "fma", "f16c"}))
     assert native.runnable_tiers() == ("avx512", "avx2", "generic")
+
+
+def test_warm_refuses_what_it_cannot_build_before_any_work(monkeypatch, capsys):
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    monkeypatch.setattr(native, "prebuild", lambda tier: pytest.fail("nothing may be built"))
+    assert main(["warm", "--isa", "avx512"]) == 2
+    assert "--isa avx512: this CPU runs avx2, generic" in capsys.readouterr().err
+    assert main(["warm", "--model", "gpt-9", "--no-kernels"]) == 2
+    assert "'gpt-9': not a packaged model" in capsys.readouterr().err

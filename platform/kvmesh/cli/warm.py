@@ -12,10 +12,10 @@ import argparse
 import subprocess
 import sys
 
+from kvmesh.checkpoint.packaged import find_packaged
 from kvmesh.errors import KVMeshError
+from kvmesh.layers import native
 
-# native.TIERS, spelled here so that `kvmesh --help` imports no torch.
-TIERS = ("avx512", "avx2", "generic")
 _PREBUILD = "import sys; from kvmesh.layers import native; print(native.prebuild(sys.argv[1]))"
 
 
@@ -25,14 +25,14 @@ def add_parser(sub) -> None:
     p.add_argument("--model", action="append", metavar="NAME",
                    help="packaged model to convert (repeatable; default: the embedded model; `kvmesh models` "
                    "lists them)")
-    p.add_argument("--isa", action="append", choices=TIERS,
+    p.add_argument("--isa", action="append", choices=native.TIERS,
                    help="kernel tier to build (repeatable). Default: KVMESH_CPU_MARCH=portable, every tier this "
                    "CPU runs but generic; otherwise this CPU's own")
     p.add_argument("--no-kernels", action="store_true", help="convert models only")
     p.set_defaults(func=cmd_warm)
 
 
-def _default_tiers(native) -> list[str]:
+def _default_tiers() -> list[str]:
     if native.march() != "portable":
         return [native.isa("native")]
     return [t for t in native.runnable_tiers() if t != "generic"] or ["generic"]
@@ -44,29 +44,24 @@ def build_kernels(tiers: list[str]) -> list[str]:
     for tier in tiers:
         done = subprocess.run([sys.executable, "-c", _PREBUILD, tier], capture_output=True, text=True)
         if done.returncode != 0:
-            raise KVMeshError(f"kernels {tier}: {done.stderr.strip().splitlines()[-1] if done.stderr else 'failed'}"
-                              f"\n{done.stderr}")
+            raise KVMeshError(f"kernels {tier}: the build failed:\n{done.stderr[-4000:]}")
         paths.append(done.stdout.strip().splitlines()[-1])
     return paths
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    from kvmesh.checkpoint.packaged import find_packaged
-
-    for name in args.model or ["embedded"]:
-        model = find_packaged(name)
+    # Every argument is checked before the first (minutes-long) step.
+    models = [(name, find_packaged(name)) for name in args.model or ["embedded"]]
+    for name, model in models:
         if model is None:
             raise KVMeshError(f"--model {name!r}: not a packaged model; `kvmesh models` lists them")
-        print(f"model {model.name}: {model.resolve(progress=False)}", flush=True)
-    if args.no_kernels:
-        return 0
-    from kvmesh.layers import native
-
-    tiers = args.isa or _default_tiers(native)
-    for tier in tiers:  # fail before the first (minutes-long) build
+    tiers = [] if args.no_kernels else args.isa or _default_tiers()
+    for tier in tiers:
         if tier not in native.runnable_tiers():
             raise KVMeshError(f"--isa {tier}: this CPU runs {', '.join(native.runnable_tiers())}; build the "
                               f"{tier} kernels on a CPU that runs them (CPUs of a wider tier load a narrower build)")
+    for _, model in models:
+        print(f"model {model.name}: {model.resolve(progress=False)}", flush=True)
     for tier, path in zip(tiers, build_kernels(tiers)):
         print(f"kernels {tier} ({native.march()}): {path}", flush=True)
     return 0
