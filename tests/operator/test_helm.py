@@ -70,7 +70,7 @@ def test_default_values_render_valid_cluster_wide_operator(helm):
     deployment = objs["Deployment/kvmesh-system/kvmesh"]
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     assert container["args"][0] == "--all-namespaces" and container["command"] == ["kvmesh-operator"]
-    assert container["image"] == "ghcr.io/kvmesh/kvmesh:0.1.0"
+    assert container["image"] == "ghcr.io/kvmesh/kvmesh-operator:0.1.0"
     assert {e["name"]: e["value"] for e in container["env"]}["KVMESH_IMAGE"] == "ghcr.io/kvmesh/kvmesh:0.1.0"
     assert deployment["spec"]["strategy"] == {"type": "Recreate"} and deployment["spec"]["replicas"] == 1
     assert objs["Service/kvmesh-system/kvmesh-metrics"]["spec"]["ports"][0]["port"] == 9090
@@ -87,7 +87,7 @@ def test_custom_values_render_namespaced_operator(helm):
         assert objs[f"RoleBinding/{ns}/kvmesh"]["subjects"][0]["name"] == "llm-operator"
     spec = objs["Deployment/kvmesh-system/kvmesh"]["spec"]["template"]["spec"]
     [container] = spec["containers"]
-    assert container["image"] == "ghcr.io/kvmesh/kvmesh:1.2.3"
+    assert container["image"] == "ghcr.io/kvmesh/kvmesh-operator:1.2.3"
     assert "--namespace=team-a" in container["args"] and "--metrics-port=0" in container["args"]
     assert "--verbose" in container["args"] and spec["nodeSelector"] == {"pool": "system"}
     env = {e["name"]: e["value"] for e in container["env"]}
