@@ -240,11 +240,13 @@ def _build_proposer(config: EngineConfig, spec: SpeculativeConfig, path: Path, m
 
 
 def _auto_num_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+    # gpu_memory_utilization (vLLM's flag): of the free memory on CUDA, of the GiB budget on CPU.
+    util = config.cache.gpu_memory_utilization
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * config.cache.kv_cache_memory_fraction)
+        budget = int(free * (util if util is not None else config.cache.kv_cache_memory_fraction))
     else:
-        budget = int(config.cache.kv_cache_memory_gb * (1 << 30))
+        budget = int(config.cache.kv_cache_memory_gb * (util if util is not None else 1.0) * (1 << 30))
     return max(budget // spec.bytes_per_block, 2)
 
 

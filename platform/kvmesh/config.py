@@ -56,6 +56,15 @@ class CacheConfig(_Base):
     kv_cache_memory_fraction: float = Field(
         0.85, gt=0, le=1, description="Fraction of free accelerator memory for KV (CUDA)."
     )
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1,
+        description="vLLM's flag, mapped onto the KV budget. CUDA: the fraction of the memory free once the "
+        "weights are loaded that the KV cache takes (it replaces kv_cache_memory_fraction; vLLM takes the "
+        "fraction of the whole GPU and subtracts weights and activations, so the same number gives about the "
+        "same cache and leaves the rest of the free memory to activations and CUDA graphs). CPU: a fraction of "
+        "kv_cache_memory_gb (kvmesh never sizes a CPU cache from host memory, which weights, activations and "
+        "other replicas share; set kv_cache_memory_gb for an absolute size). Unused with num_blocks.",
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse cached full blocks across requests.")
     max_pinned_fraction: float = Field(
         0.5, ge=0, le=1,

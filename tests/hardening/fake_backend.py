@@ -30,7 +30,7 @@ class FakeBackend:
         self.requests: list[llm_pb2.GenerateRequest] = []
         self.cancelled = 0  # streams closed before their last token
 
-    def chat_prompt_ids(self, messages, tools=None, add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt_ids(self, messages, tools=None, add_generation_prompt: bool = True, options=None) -> list[int]:
         text = "".join(m.text() for m in messages)
         return [3 + ord(c) % (VOCAB - 3) for c in text[:64]] or [3]
 

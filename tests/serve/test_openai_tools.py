@@ -285,3 +285,59 @@ def test_n_choices_each_parsed(default):
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
     assert texts[0] == texts[1] == TWO_CALLS  # without tools the reply is plain content
+
+
+# -- OpenAI's legacy functions / function_call: served as tools, answered in the legacy shape ----------
+
+FUNCTIONS = [WEATHER["function"], TIME["function"]]
+
+
+def test_legacy_functions_are_served_as_tools(default):
+    client, backend = default
+    backend.reply = TWO_CALLS
+    r = client.chat.completions.create(model="kvmesh", messages=USER, functions=FUNCTIONS, function_call="auto")
+    msg, choice = r.choices[0].message, r.choices[0]
+    assert msg.tool_calls is None and choice.finish_reason == "function_call"
+    assert (msg.function_call.name, json.loads(msg.function_call.arguments)) == ("get_weather", {"city": "Oslo"})
+    assert json.dumps(WEATHER) in backend.prompt()  # the functions reached the prompt as tools
+    name, args, finish = "", "", None
+    for chunk in client.chat.completions.create(model="kvmesh", messages=USER, functions=FUNCTIONS, stream=True):
+        delta = chunk.choices[0].delta
+        assert not delta.tool_calls
+        if delta.function_call is not None:
+            name += delta.function_call.name or ""
+            args += delta.function_call.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (name, json.loads(args), finish) == ("get_weather", {"city": "Oslo"}, "function_call")
+
+
+def test_legacy_function_round_trip_and_named_call(server, monkeypatch):
+    monkeypatch.setattr(chat_route, "constrain_to_schema", lambda params, schema: True)
+    client, backend = server()
+    backend.reply = "3 degrees."
+    past = [*USER, {"role": "assistant", "content": None,
+                    "function_call": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"role": "function", "name": "get_weather", "content": '{"temp": 3}'}]
+    r = client.chat.completions.create(model="kvmesh", messages=past, functions=FUNCTIONS)
+    assert r.choices[0].message.content == "3 degrees." and r.choices[0].finish_reason == "stop"
+    prompt = backend.prompt()
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in prompt
+    assert '<tool_response>\n{"temp": 3}\n</tool_response>' in prompt
+    backend.reply = '{"city": "Bergen"}'
+    r = client.chat.completions.create(model="kvmesh", messages=USER, functions=FUNCTIONS,
+                                       function_call={"name": "get_weather"})
+    assert r.choices[0].message.function_call.arguments == '{"city": "Bergen"}'
+    assert "You must call the function get_weather." in backend.prompt()
+
+
+def test_legacy_functions_mixed_with_tools_or_malformed_are_400s(default):
+    client, _ = default
+    for kw, param in (({"functions": FUNCTIONS, "tools": [WEATHER]}, "functions"),
+                      ({"functions": FUNCTIONS, "function_call": "sometimes"}, "function_call"),
+                      ({"functions": FUNCTIONS, "function_call": {"name": "nope"}}, "tool_choice.function.name")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="kvmesh", messages=USER, **kw)
+        assert e.value.body["param"] == param, e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="kvmesh", messages=[*USER, {"role": "function", "content": "3"}])
+    assert e.value.body["param"] == "messages[1].name"

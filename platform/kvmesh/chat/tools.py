@@ -9,7 +9,8 @@ the JSON schema that enforces `required` / named choices.
   arguments, `tool` messages with `tool_call_id`); templates that ignore `tools` (the
   embedded SmolLM2's renders only role and content) get the tools as a Hermes / Qwen 2.5
   style system prompt instead, past calls as `<tool_call>` text and tool results as a
-  user turn of `<tool_response>` blocks, which any ChatML-like template renders.
+  user turn of `<tool_response>` blocks, which any ChatML-like template renders; a
+  message's `name` stays on it for the templates that render it.
 - `ToolSet.output_schema()` is the constraint of vLLM's tool_choice handling: for a named
   function its parameters schema (the output *is* the arguments), for `required` an
   array of `{"name": const, "arguments": that tool's schema}` objects (at most one when
@@ -225,7 +226,7 @@ def _fallback(messages: list[dict[str, Any]], tools: ToolSet | None) -> list[dic
         if role == "assistant" and m.get("tool_calls"):
             calls = "\n".join(call_text(c) for c in m["tool_calls"])
             content = f"{content}\n{calls}" if content else calls
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **({"name": m["name"]} if m.get("name") else {})})
     for m in out:
         m.pop("_tool_results", None)
     if tools is not None and tools.active:

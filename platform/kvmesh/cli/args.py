@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from kvmesh.chat.config import ChatConfig
 from kvmesh.chat.reasoning import REASONING_PARSERS
 from kvmesh.chat.tool_parsers import TOOL_PARSERS
+from kvmesh.cli.vllm_args import speculative_config_arg
 from kvmesh.config import EngineConfig, LoRAConfig, LoRAModule, SpeculativeConfig
 
 # Sections whose fields are flattened without a prefix (their names are unique).
@@ -129,6 +130,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:  # lists of entries (prompt_cache): JSON
             group.add_argument(*flag.options, dest=flag.dest, type=json.loads, default=argparse.SUPPRESS,
                                metavar="JSON", help=f"{help_text} As JSON.")
+    group.add_argument("--speculative-config", dest="engine_speculative_config", type=speculative_config_arg,
+                       default=argparse.SUPPRESS, metavar="JSON",
+                       help='vLLM\'s spelling of the speculative flags: \'{"method": "ngram", "num_speculative_tokens": '
+                       '4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (prompt lookup) or \'{"model": PATH, '
+                       '"num_speculative_tokens": N}\' (a draft model); also quantization and disable_by_batch_size '
+                       "(kvmesh's max_batch_size). Instead of the --speculative-* flags, not with them.")
     group.add_argument("--enable-lora", dest="engine_enable_lora", action=argparse.BooleanOptionalAction,
                        default=argparse.SUPPRESS, help="Serve LoRA adapters of the base model (load them at run "
                        "time, or name them with --lora-modules). (default: off)")
@@ -160,7 +167,14 @@ def engine_config(args: argparse.Namespace, base: EngineConfig | None = None) ->
     """`base` (default: EngineConfig()) with the given flags applied, validated."""
     base = base or EngineConfig()
     overrides = engine_overrides(args)
-    if _SPEC in overrides:
+    vllm_spec = getattr(args, "engine_speculative_config", None)
+    if vllm_spec is not None:
+        if _SPEC in overrides:
+            given = sorted(f.options[0] for f in engine_flags() if f.path[0] == _SPEC and hasattr(args, f.dest))
+            raise ValueError(f"speculative: --speculative-config is the whole speculative config; drop "
+                             f"{', '.join(given)} (or put them in the JSON)")
+        overrides[_SPEC] = SpeculativeConfig(**vllm_spec)
+    elif _SPEC in overrides:
         merged = {**(base.speculative.model_dump() if base.speculative else {}), **overrides[_SPEC]}
         if "method" not in merged:
             raise ValueError("speculative: set --speculative METHOD (ngram or draft) to use speculative decoding")
@@ -195,3 +209,12 @@ def chat_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The chat flags the user gave, as ChatConfig fields."""
     return {k.removeprefix("chat__"): v for k, v in vars(args).items() if k.startswith("chat__")}
 
+
+def add_tls_args(parser: argparse.ArgumentParser) -> None:
+    """--tls-cert / --tls-key / --tls-client-ca, also under vLLM's --ssl-* names."""
+    parser.add_argument("--tls-cert", "--ssl-certfile", dest="tls_cert", default=None,
+                        help="PEM certificate: serve HTTP (and gRPC) over TLS (with --tls-key / --ssl-keyfile)")
+    parser.add_argument("--tls-key", "--ssl-keyfile", dest="tls_key", default=None,
+                        help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", "--ssl-ca-certs", dest="tls_client_ca", default=None,
+                        help="PEM CA: require client certificates it signed (mutual TLS)")

@@ -15,7 +15,8 @@ import logging
 from kvmesh.build import build_worker
 from kvmesh.chat.config import ChatConfig
 from kvmesh.checkpoint.files import load_tokenizer, resolve_model_path
-from kvmesh.cli.args import add_chat_args, add_engine_args, chat_overrides, engine_config, lora_module_arg
+from kvmesh.cli.args import add_chat_args, add_engine_args, add_tls_args, chat_overrides, engine_config, lora_module_arg
+from kvmesh.cli.vllm_args import apply_api_key
 from kvmesh.config import EngineConfig, TracingConfig
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.registry import StaticRegistry
@@ -40,7 +41,8 @@ def add_worker_parser(sub) -> None:
     p.add_argument("--role", default="unified", choices=["prefill", "decode", "unified"])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
-    p.add_argument("--model-id", default="kvmesh")
+    p.add_argument("--model-id", "--served-model-name", dest="model_id", default="kvmesh",
+                   help="the served model's name (default kvmesh)")
     p.add_argument("--transfer-ttl", type=float, default=30.0, help="seconds prefilled KV waits for a pull")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
     p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans here (OTLP/gRPC; default off)")
@@ -83,7 +85,8 @@ def add_router_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
     p.add_argument("--model", default=None, help="checkpoint folder, for the tokenizer (default: embedded model)")
-    p.add_argument("--model-id", default="kvmesh")
+    p.add_argument("--model-id", "--served-model-name", dest="model_id", default="kvmesh",
+                   help="the served model's name: /v1/models lists it, requests' `model` must match (default kvmesh)")
     p.add_argument("--config", default=None, help="RouterConfig as a JSON file")
     p.add_argument("--config-json", default=None, help="RouterConfig as JSON")
     p.add_argument("--pd-threshold-tokens", type=int, default=None, help="overrides the config's value")
@@ -94,10 +97,9 @@ def add_router_parser(sub) -> None:
     p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans here (OTLP/gRPC; default off)")
     p.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API on this port (default: off)")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--tls-client-ca", default=None,
-                   help="PEM CA: require client certificates it signed (mutual TLS on the public endpoints)")
+    add_tls_args(p)
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1/* and the gRPC API (sets KVMESH_API_KEY here)")
     p.add_argument("--lora-modules", nargs="+", type=lora_module_arg, default=[], metavar="NAME=PATH",
                    help="LoRA adapters served from start-up (the workers' --lora-modules), each as name=path or "
                         'JSON {"name": ..., "path": ...}; more load at run time (POST /v1/load_lora_adapter)')
@@ -128,6 +130,7 @@ async def serve_router_http(router: RouterServer, tokenizer, model_id: str, host
 
 def cmd_router(args: argparse.Namespace) -> int:
     _log_setup()
+    apply_api_key(args)
     raw = {}
     if args.config:
         with open(args.config) as f:

@@ -1,5 +1,8 @@
-"""`kvmesh serve`: the typed ServingConfig (defaults, --config FILE, then flags) deployed
-on Ray Serve, or with --local as plain processes on this machine."""
+"""`kvmesh serve [MODEL]`: the typed ServingConfig (defaults, --config FILE, then flags)
+deployed on Ray Serve, or with --local as plain processes on this machine. vLLM's
+spellings (MODEL, --served-model-name, --api-key, --ssl-*, --gpu-memory-utilization,
+--speculative-config) mean what they mean there (cli/vllm_args.py); --port stays the gRPC
+port, with a note to whoever expected vLLM's HTTP port."""
 
 from __future__ import annotations
 
@@ -7,9 +10,11 @@ import argparse
 import os
 import secrets
 import signal
+import sys
 import time
 
-from kvmesh.cli.args import add_chat_args, add_engine_args, chat_overrides, engine_config
+from kvmesh.cli.args import add_chat_args, add_engine_args, add_tls_args, chat_overrides, engine_config
+from kvmesh.cli.vllm_args import add_serve_aliases, apply_api_key, merged_model, served_model_name
 from kvmesh.rpc.internal_auth import TOKEN_ENV, TOKEN_FILE_ENV
 from kvmesh.serve.config import ServingConfig
 from kvmesh.serve.local import serve_local
@@ -31,19 +36,21 @@ def add_parser(sub) -> None:
     s.add_argument("--local", action="store_true",
                    help="no Ray: router and worker replicas as processes on this machine (default: one prefill "
                         "and one decode worker)")
-    s.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
-    s.add_argument("--http-port", type=int, default=None, help="HTTP port (default 8000; --local: off unless set)")
+    s.add_argument("--host", default=None, help="listen address of the gRPC and HTTP endpoints (default 127.0.0.1, "
+                   "this machine only; 0.0.0.0: every interface, vLLM's default)")
+    s.add_argument("--port", type=int, default=None, help="gRPC port (default 50051); the OpenAI HTTP API is on "
+                   "--http-port")
+    s.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (default 8000; --local: "
+                   "off unless set)")
     s.add_argument("--pd-threshold-tokens", type=int, default=None,
                    help="prompts with fewer uncached tokens skip prefill/decode disaggregation (default 256)")
     s.add_argument("--transfer-ttl", type=float, default=None, help="seconds prefilled KV waits for its decode")
     s.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry traces (OTLP/gRPC); default off")
-    s.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")
-    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    s.add_argument("--tls-client-ca", default=None, help="PEM CA: require client certificates it signed")
+    add_tls_args(s)
     s.add_argument("--internal-token-file", default=None,
                    help="file with the token every worker RPC must carry (default: KVMESH_INTERNAL_TOKEN; "
                         "--local makes one up per run)")
+    add_serve_aliases(s)
     add_engine_args(s)
     add_chat_args(s)
     s.set_defaults(func=cmd_serve)
@@ -52,6 +59,7 @@ def add_parser(sub) -> None:
 def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
     """`kvmesh serve` flags (+ --config FILE) -> ServingConfig."""
     cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
+    merged_model(args)
     data = cfg.model_dump()
     # The engine flags on top of the file's engine (speculative and LoRA merged, --enable-lora included).
     data["engine"] = engine_config(args, cfg.engine).model_dump()
@@ -59,6 +67,9 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
                       ("transfer_ttl", "transfer_ttl_s")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
+    name = served_model_name(args)
+    if name is not None:
+        data["model_id"] = name
     if args.redis_url:
         data["kv_store"]["redis_url"] = args.redis_url
     prefill = args.prefill_replicas
@@ -89,8 +100,23 @@ def local_internal_token(cfg: ServingConfig) -> None:
         os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)
 
 
+def port_notes(args: argparse.Namespace) -> list[str]:
+    """What a vLLM user would not expect of the ports (--port is gRPC here)."""
+    http = "off: add --http-port PORT" if args.local else "8000"
+    notes = []
+    if args.port is not None and args.http_port is None:
+        notes.append(f"--port {args.port} is kvmesh's gRPC port (kvmesh.v1.LLM); the OpenAI HTTP API is on "
+                     f"--http-port ({http})")
+    elif args.local and args.http_port is None:
+        notes.append("--local serves the OpenAI HTTP API only with --http-port PORT")
+    return notes
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serving_config_from_args(args)
+    apply_api_key(args, remote=bool(args.address))
+    for note in port_notes(args):
+        print(f"kvmesh: note: {note}", file=sys.stderr, flush=True)
     if args.local:
         local_internal_token(cfg)
         return serve_local(cfg, http=args.http_port is not None)

@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.params = params
         self.token_ids = list(prompt_token_ids)
+        self._num_prompt_tokens = len(self.token_ids)
         self.prefix_offset = max(len(self.token_ids) - _CONTEXT_TOKENS, 0)
         self.read_offset = len(self.token_ids)
         self.text = ""  # all output text produced so far (after stop truncation)
@@ -63,6 +64,8 @@ class IncrementalDetokenizer:
     def _check_stop(self, old_len: int) -> bool:
         if not self.params.stop or len(self.text) == old_len:
             return False
+        if len(self.token_ids) - self._num_prompt_tokens < self.params.min_tokens:
+            return False  # stop strings count only once min_tokens tokens are out (vLLM)
         search_from = max(old_len - self._max_stop_len + 1, 0)
         best = None
         for s in self.params.stop:

@@ -27,6 +27,9 @@ class ScheduledSeq:
     spec_token_ids: list[int] = field(default_factory=list)
     # The LoRA adapter the rows run under (None: the base model).
     lora_name: str | None = None
+    # Token ids the sampled token must not be (EOS and stop_token_ids while the request has
+    # fewer than min_tokens output tokens); empty for almost every row.
+    banned_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

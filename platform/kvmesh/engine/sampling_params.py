@@ -40,6 +40,9 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    # Generate at least this many tokens (vLLM's): until then EOS and stop_token_ids are
+    # never sampled (the scheduler bans them per step) and stop strings are not looked for.
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -94,6 +97,8 @@ class SamplingParams:
                 raise bad(name, f"must be true or false, got {getattr(self, name)!r}")
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
             raise bad("max_tokens", f"must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             if not _is_real(getattr(self, name)):
@@ -156,6 +161,10 @@ class SamplingParams:
             # A finished grammar ends the request by allowing only EOS (engine/structured_outputs.py).
             raise InvalidRequestError("ignore_eos", "cannot be combined with structured_outputs: the request ends "
                                                     "with EOS when its output is complete; leave ignore_eos unset")
+        if self.min_tokens:
+            # The grammar may allow only EOS before min_tokens: the two cannot both hold.
+            raise InvalidRequestError("min_tokens", "cannot be combined with structured_outputs: the output ends "
+                                                    "where the grammar completes; leave min_tokens unset")
 
     @property
     def greedy(self) -> bool:
@@ -165,8 +174,10 @@ class SamplingParams:
     def can_speculate(self) -> bool:
         """Penalties and logprobs are position-dependent outputs the verifier does not
         reproduce per draft position; such requests decode one token at a time. So do
-        requests with a logit_bias (the verifier scores the unbiased logits)."""
-        return self.speculative and not self.needs_penalties and self.logprobs is None and not self.logit_bias
+        requests with a logit_bias (the verifier scores the unbiased logits) or a min_tokens
+        (the verifier does not ban EOS)."""
+        return (self.speculative and not self.needs_penalties and self.logprobs is None and not self.logit_bias
+                and not self.min_tokens)
 
     def for_choice(self, index: int) -> SamplingParams:
         """The params of choice `index` of an n > 1 request: one choice each, the seed

@@ -256,6 +256,7 @@ class Scheduler:
                     output_token_ids=req.output_token_ids,
                     spec_token_ids=spec,
                     lora_name=req.lora_name,
+                    banned_token_ids=_min_tokens_ban(req) if start + real == req.num_tokens else (),
                 )
             )
             # Tokens count as computed once scheduled; the step that runs them is
@@ -315,6 +316,8 @@ class Scheduler:
         return results
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        # Under min_tokens EOS and stop tokens are banned from sampling (_min_tokens_ban), so
+        # the checks below cannot end a request early.
         params = req.sampling_params
         if not params.ignore_eos and token in req.eos_ids:
             return RequestStatus.FINISHED_STOPPED
@@ -324,3 +327,13 @@ class Scheduler:
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _min_tokens_ban(req: Request) -> tuple[int, ...]:
+    """The ids the request's next token must not be: EOS (unless ignore_eos) and its stop
+    tokens while it has fewer than min_tokens output tokens (vLLM's min_tokens)."""
+    params = req.sampling_params
+    if req.num_output_tokens >= params.min_tokens:
+        return ()
+    eos = () if params.ignore_eos else sorted(req.eos_ids)
+    return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))

@@ -191,6 +191,7 @@ class _Stream:
                                    "resume elsewhere; retry the request")
         if self.tokens:
             proto.max_tokens = self.params.max_tokens - len(self.tokens)
+            proto.min_tokens = max(self.params.min_tokens - len(self.tokens), 0)
             proto.ClearField("prompt_logprobs")  # already sent with the first token; the new prompt is longer
         return llm_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids + self.tokens,
                                        params=proto, cache_salt=self.cache_salt, lora=self.lora)

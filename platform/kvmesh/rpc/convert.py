@@ -26,7 +26,7 @@ def prompt_cache_id(token_ids: list[int]) -> str:
 _OPTIONAL_SCALARS = (
     "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens",
-    "n", "prompt_logprobs",
+    "n", "prompt_logprobs", "min_tokens",
 )
 
 

@@ -7,6 +7,11 @@ Span tree of a disaggregated request (W3C `traceparent` in gRPC metadata links t
       kvmesh.worker.decode            decode worker (kvmesh.worker.generate when unified)
         kvmesh.kv_transfer.pull       decode worker pulling the prefill worker's KV
 
+Over HTTP two spans come first, the router span then being a child of the second:
+`{operation} {model}` (e.g. `chat kvmesh`: the request, child of the caller's W3C
+`traceparent` header, with the GenAI semantic-convention attributes;
+serve/openai/request_span.py) and under it `kvmesh.http.generate` (one per router call).
+
 Off by default: with no tracer provider installed every helper here returns None or
 yields None after one isinstance check, and call sites pass None along (no span
 objects, no context propagation). Spans are never made "current" (no contextvars):
@@ -27,6 +32,7 @@ from typing import Any
 
 import grpc
 from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from kvmesh.config import TracingConfig
@@ -127,15 +133,16 @@ def server_span(name: str, context,
 
 @contextmanager
 def span(name: str, attributes: Mapping[str, AttrValue] | None = None,
-         kind: SpanKind = SpanKind.SERVER) -> Iterator[Span | None]:
-    """A span under the current OpenTelemetry context (a root span when there is none),
-    e.g. around an HTTP handler that calls the router: pass `grpc_metadata(span)` with
-    the call. Yields None when tracing is off."""
+         kind: SpanKind = SpanKind.SERVER, context: Context | None = None) -> Iterator[Span | None]:
+    """A span under `context` (a caller's, from `extract`) or else the current
+    OpenTelemetry context (a root span when there is none), e.g. around an HTTP handler
+    that calls the router: pass `grpc_metadata(span)` with the call. Yields None when
+    tracing is off."""
     t = tracer()
     if t is None:
         yield None
         return
-    s = t.start_span(name, kind=kind, attributes=attributes)
+    s = t.start_span(name, context=context, kind=kind, attributes=attributes)
     with _ending(s, None):
         yield s
 
@@ -215,6 +222,14 @@ def grpc_metadata(span: Span | None) -> tuple[tuple[str, str], ...] | None:
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=trace.set_span_in_context(span))
     return tuple(carrier.items())
+
+
+def extract(headers: Mapping[str, str]) -> Context | None:
+    """The caller's trace context in W3C `traceparent` / `tracestate` headers (HTTP),
+    as the gRPC servers read it from metadata; None when tracing is off or none was sent."""
+    if tracer() is None or "traceparent" not in headers:
+        return None
+    return propagate.extract(headers)
 
 
 def _metadata_dict(context) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from kvmesh.worker.cuda_graphs import DecodeGraphs, GraphRecorder
 from kvmesh.worker.kv_memory import populate_in_background, zeroed_tensor
 from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.prompt_logprobs import compute_prompt_logprobs
-from kvmesh.worker.sampler import sample
+from kvmesh.worker.sampler import ban_tokens, sample
 from kvmesh.worker.spec_decode import verify
 from kvmesh.worker.structured import GrammarMasks
 
@@ -176,6 +176,8 @@ class ModelRunner:
         if masks is not None:
             masks.apply_sample(logits)
         rows = [s for _, s in sampling]
+        if any(s.banned_token_ids for s in rows):
+            ban_tokens(logits, [s.banned_token_ids for s in rows])
         tokens, logprobs, probs = sample(
             logits,
             [s.sampling_params for s in rows],

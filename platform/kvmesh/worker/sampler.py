@@ -56,6 +56,18 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None
     logits.index_put_(index, torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
 
 
+def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> None:
+    """In place: -inf at each row's banned token ids (EOS and stop tokens under min_tokens,
+    engine/scheduler.py), so no filter, bias or penalty can bring them back."""
+    vocab = logits.shape[-1]
+    rows = [row for row, ids in enumerate(banned) for t in ids if t < vocab]
+    if not rows:
+        return
+    cols = [t for ids in banned for t in ids if t < vocab]
+    dev = logits.device
+    logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+
+
 def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k / top-p / min-p set."""
     vocab = x.shape[-1]

@@ -244,7 +244,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 prompt = list(request.prompt_token_ids)
                 # Hold the KV only if a decode will follow: more tokens wanted and room left.
                 hold = params.max_tokens > 1 and len(prompt) + 1 < self.engine.max_model_len
-                first_params = dataclasses.replace(params, max_tokens=1)
+                first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
                 final, num_lp = None, 0
                 async for out in self.aengine.generate(prompt, first_params, request_id=engine_id, hold_kv=hold,
                                                        lora=lora):
@@ -340,7 +340,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 lora = await self._lora(request.lora if request.HasField("lora") else None)
                 if request.transfer_id and request.source_address:
                     await self._pull(request, engine_id, context, span)
-                rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1)
+                rest = dataclasses.replace(params, max_tokens=params.max_tokens - 1,
+                                           min_tokens=max(params.min_tokens - 1, 0))
                 if params.structured_outputs is not None:  # the grammar goes on from prefill's first token
                     rest.structured_outputs = dataclasses.replace(
                         params.structured_outputs, prefilled_output_ids=(request.first_token_id,))

@@ -7,9 +7,11 @@ The same app is the HTTP front of the router replica (serve/deployments.py) and 
 its servicer in-process (`InProcessBackend`), and the Ray Serve ingress of the router
 deployment behind Ray's proxy, which reaches the router over loopback gRPC
 (`GrpcBackend`). Either way the HTTP path gets exactly the routing, P/D and retries of
-the gRPC path. The package splits by concern: `protocol` (request models, the OpenAI
-error shape), `backend` (the router client), `generation` (what the routes share),
-`completions` and `chat` (the routes), `app` (assembly, uvicorn).
+the gRPC path. The package splits by concern: `protocol` (request models), `errors` (the
+OpenAI error shape), `fields` (fields refused or ignored), `structured` (structured-output
+fields), `legacy` (legacy function calling), `backend` (the router client), `generation`
+(what the routes share), `completions`, `chat`, `responses`, `tokenize`, `lora` (the
+routes), `request_span` (the GenAI span of a request), `app` (assembly, uvicorn).
 """
 
 from kvmesh.serve.openai.app import HTTPServer, create_app, serve_http_in_thread, start_http

@@ -1,8 +1,9 @@
 """The OpenAI-compatible FastAPI app: `create_app(get_backend, metrics)` assembles the
 routes (`/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/tokenize`,
 `/detokenize`, `/health`, `/metrics`, and vLLM's `/v1/load_lora_adapter` / `/v1/unload_lora_adapter`),
-the OpenAI-shaped error handlers (bad bodies become a 400 naming the field) and, when
-`KVMESH_API_KEY` is set, the bearer-key check on `/v1/*`. Every error is OpenAI-shaped,
+the OpenAI-shaped error handlers (bad bodies become a 400 naming the field), when
+`KVMESH_API_KEY` is set, the bearer-key check on `/v1/*`, and, when tracing is on, the
+GenAI span of each generation request (request_span.py, continuing a `traceparent`). Every error is OpenAI-shaped,
 FastAPI's own 404 / 405 / body errors and unexpected exceptions included; request
 limits (body size, prompt size, batch size) are `limits.HTTPLimits`. The routes are module-level
 functions that find the backend through `app.state`, so one app object can be built
@@ -37,6 +38,7 @@ from kvmesh.serve.openai.backend import CLIENT_AUTHORIZATION, Backend
 from kvmesh.serve.openai.generation import BackendSource
 from kvmesh.serve.openai.limits import BodySizeLimit, HTTPLimits, body_too_large_cause, too_large
 from kvmesh.serve.openai.protocol import APIError
+from kvmesh.serve.openai.request_span import TraceContext
 
 MetricsRenderer = Callable[[], tuple[bytes, str]]
 logger = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ def create_app(get_backend: Callable[[], Backend | None], metrics: MetricsRender
     keys = ApiKeys.from_env()
     if keys.enabled:
         app.middleware("http")(functools.partial(_check_api_key, keys))
+    app.add_middleware(TraceContext)  # outermost: the request span covers the whole response
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics_endpoint, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])

@@ -1,8 +1,9 @@
 """The HTTP layer's client of the router: the public `kvmesh.v1.LLM` service plus the
 tokenizer (for the chat template and for rendering logprob tokens). The HTTP path
 therefore gets exactly the routing, P/D and retries of the gRPC path. A backend sends the
-API key the router checks, and opens a `kvmesh.http.generate` span whose context the
-router continues, so one trace runs from HTTP to the workers when tracing is on.
+API key the router checks, and opens a `kvmesh.http.generate` span (under the HTTP
+request's span, request_span.py) whose context the router continues, so one trace runs
+from the caller's `traceparent` through HTTP to the workers when tracing is on.
 
 Two ways to reach the router, one interface (`Backend`), one error contract: a call
 fails with a typed `KVMeshError` (the field as data), whichever way it went.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
+from typing import Any
 
 import grpc
 import jinja2
@@ -32,6 +34,7 @@ from kvmesh.router.api import Call
 from kvmesh.rpc import CHANNEL_OPTIONS
 from kvmesh.rpc.auth import ApiKeys, bearer_metadata
 from kvmesh.rpc.status import error_of_rpc
+from kvmesh.serve.openai import request_span
 from kvmesh.serve.openai.protocol import APIError, ChatMessage
 from kvmesh.telemetry import tracing
 
@@ -57,18 +60,23 @@ class Backend:
         self.metadata = bearer_metadata(ApiKeys.from_env().service_key)  # the router checks the same keys
 
     def chat_prompt_ids(self, messages: list[ChatMessage], tools: ToolSet | None = None,
-                        add_generation_prompt: bool = True) -> list[int]:
+                        add_generation_prompt: bool = True, options: dict[str, Any] | None = None) -> list[int]:
         """Token ids of the chat under the template (blocking: call it off the event loop).
-        `tools` go to a template that reads them, else into a system prompt (kvmesh.chat.tools)."""
+        `tools` go to a template that reads them, else into a system prompt (kvmesh.chat.tools);
+        `options` are apply_chat_template's keyword arguments from the body
+        (ChatRequest.template_options: add_generation_prompt, continue_final_message,
+        documents, the template's variables)."""
         source = template_source(self.tokenizer)
         if not source:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         conv, extra = template_messages([m.template_dict() for m in messages], tools, takes_tools(source))
+        kwargs = {"add_generation_prompt": add_generation_prompt, **(options or {}), **extra}
         try:
-            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                     **extra)
+            ids = self.tokenizer.apply_chat_template(conv, tokenize=True, **kwargs)
         except jinja2.TemplateError as e:  # e.g. a template's raise_exception on roles it does not take
             raise APIError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
+        except ValueError as e:  # continue_final_message whose last message the template does not end with
+            raise APIError(400, f"the chat template cannot render this request: {e}", param="messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -103,8 +111,13 @@ class Backend:
         return self._generate(request)
 
     async def _generate(self, request: llm_pb2.GenerateRequest) -> AsyncIterator[llm_pb2.GenerateResponse]:
-        with tracing.span("kvmesh.http.generate") as s:
+        http = request_span.CURRENT.get()
+        cm = (tracing.client_span("kvmesh.http.generate", http.span) if http is not None
+              else tracing.span("kvmesh.http.generate"))
+        with cm as s:
             async for msg in self._stream(request, self._call_metadata(s)):
+                if msg.finish_reason:
+                    request_span.record_final(request.request_id, msg)
                 yield msg
 
     def _stream(self, request: llm_pb2.GenerateRequest,

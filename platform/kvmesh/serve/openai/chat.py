@@ -18,6 +18,11 @@ deltas, and by the reasoning parser (`--reasoning-parser`) into `reasoning_conte
 (kvmesh.chat.output.ChatOutput, one reader for both, so a stream reassembles to the
 whole message). A reply with calls ends with finish_reason `tool_calls`.
 
+The template gets vLLM's `chat_template_kwargs` (its variables), `add_generation_prompt`,
+`continue_final_message`, `documents` and `reasoning_effort` (ChatRequest.template_options),
+and every message's `name` and `tool_call_id`. OpenAI's legacy `functions` / `function_call`
+are served as tools and answered in their own shape (legacy.py).
+
 `prepare_chat` (body -> `ChatGeneration`) and `ChoiceReader` / `parsed_deltas` (one
 choice's router messages -> parsed deltas) are the chat generation path; this route and
 `/v1/responses` (responses.py) only render them.
@@ -39,6 +44,7 @@ from kvmesh.chat import ChatConfig, ChatOutput, ChatOutputSpec, ToolSet, get_rea
 from kvmesh.chat.template import resolve_tool_parser, template_source
 from kvmesh.compress import OPEN, CompressionOptions, compress_prompt
 from kvmesh.errors import InvalidRequestError
+from kvmesh.serve.openai import request_span
 from kvmesh.serve.openai.backend import Backend
 from kvmesh.serve.openai.generation import (
     BackendSource,
@@ -52,6 +58,13 @@ from kvmesh.serve.openai.generation import (
     prompt_logprobs_json,
     sse,
     stream_response,
+)
+from kvmesh.serve.openai.legacy import (
+    legacy_delta,
+    legacy_finish_reason,
+    legacy_message,
+    read_legacy_functions,
+    uses_functions,
 )
 from kvmesh.serve.openai.limits import check_prompt_chars, limits_of, until_disconnected
 from kvmesh.serve.openai.protocol import APIError, ChatMessage, ChatRequest, structured_outputs_for_schema
@@ -68,6 +81,7 @@ class ChatGeneration:
     params: llm_pb2.SamplingParams
     spec: ChatOutputSpec
     original_tokens: int | None  # the prompt's length before compression (None: not compressed)
+    legacy: bool = False  # the body used the legacy functions / function_call: so does the reply
 
     def request(self, rid: str, body: ChatRequest) -> llm_pb2.GenerateRequest:
         return build_request(rid, self.ids, self.params, body, self.model)
@@ -77,19 +91,22 @@ async def prepare_chat(b: Backend, body: ChatRequest, request: Request) -> ChatG
     """Check `body` and build its generation: tools, template, compression, max_tokens
     default; a 400 naming the field when something is wrong."""
     body.check_unsupported()
+    legacy = uses_functions(body)
+    read_legacy_functions(body)
+    options = body.template_options()
     model = await check_model(b, body.model)
     if body.max_completion_tokens is not None and body.max_tokens is None:
         body.max_tokens = body.max_completion_tokens
     check_prompt_chars(limits_of(request), sum(len(m.text()) for m in body.messages), "messages")
     cfg: ChatConfig = request.app.state.kvmesh_chat
     tools = _tool_set(body, cfg)
-    ids = await asyncio.to_thread(b.chat_prompt_ids, body.messages, tools)
+    ids = await asyncio.to_thread(b.chat_prompt_ids, body.messages, tools, options=options)
     original_tokens = None
     comp = compression_options(body)
     if comp is not None:
         original_tokens = len(ids)
         messages = await compress_messages(body.messages, comp, b.tokenizer)
-        ids = await asyncio.to_thread(b.chat_prompt_ids, messages, tools)
+        ids = await asyncio.to_thread(b.chat_prompt_ids, messages, tools, options=options)
     n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.to_proto(n_logprobs, default_max_tokens=None)
     if body.max_tokens is None:
@@ -98,7 +115,7 @@ async def prepare_chat(b: Backend, body: ChatRequest, request: Request) -> ChatG
         context = await b.max_model_len()
         params.max_tokens = max(1, context - len(ids)) if context else 2**31 - 1
     spec = _output_spec(b, body, cfg, tools, ids, params)
-    return ChatGeneration(model, ids, params, spec, original_tokens)
+    return ChatGeneration(model, ids, params, spec, original_tokens, legacy)
 
 
 @dataclass
@@ -152,6 +169,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": gen.model}
     req = gen.request(cid, body)
+    request_span.describe(gen.model, gen.params, cid)
     if not body.stream:
         return await until_disconnected(request, _complete(b, body, req, head, gen))
     return await stream_response(_events(b, body, req, {**head, "object": "chat.completion.chunk"}, gen),
@@ -166,8 +184,10 @@ async def _complete(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest,
         out = ChatOutput(gen.spec)
         message = out.message("".join(m.text for m in msgs))
         last = msgs[-1] if msgs else None
-        choice = {"index": k, "message": message, "logprobs": logprobs_of(b, body, msgs),
-                  "finish_reason": out.finish_reason((last.finish_reason if last else "") or None)}
+        finish = out.finish_reason((last.finish_reason if last else "") or None)
+        if gen.legacy:
+            message, finish = legacy_message(message), legacy_finish_reason(finish)
+        choice = {"index": k, "message": message, "logprobs": logprobs_of(b, body, msgs), "finish_reason": finish}
         if body.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_json(b, msgs)
         choices.append(choice)
@@ -187,8 +207,10 @@ async def _events(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest, h
     finals: list[llm_pb2.GenerateResponse | None] = [None] * n
     async for k, msg in choice_messages(b, [req], n):
         p = readers[k].read(msg)
-        choice = {"index": k, "delta": p.delta, "logprobs": logprobs_of(b, body, [msg]),
-                  "finish_reason": p.finish_reason}
+        delta, finish = p.delta, p.finish_reason
+        if gen.legacy:
+            delta, finish = legacy_delta(delta), legacy_finish_reason(finish)
+        choice = {"index": k, "delta": delta, "logprobs": logprobs_of(b, body, [msg]), "finish_reason": finish}
         if body.prompt_logprobs is not None and msg.prompt_logprobs:
             choice["prompt_logprobs"] = prompt_logprobs_json(b, [msg])
         yield sse({**head, "choices": [choice]})
@@ -196,8 +218,8 @@ async def _events(b: Backend, body: ChatRequest, req: llm_pb2.GenerateRequest, h
             finals[k] = msg
     for k, reader in enumerate(readers):
         if (rest := reader.end()) is not None:  # a stream that ended without a finish reason
-            yield sse({**head, "choices": [{"index": k, "delta": rest.delta, "logprobs": None,
-                                            "finish_reason": None}]})
+            delta = legacy_delta(rest.delta) if gen.legacy else rest.delta
+            yield sse({**head, "choices": [{"index": k, "delta": delta, "logprobs": None, "finish_reason": None}]})
     if body.include_usage_in_stream() and any(finals):
         yield sse({**head, "choices": [], "usage": choices_usage(finals, n, gen.original_tokens)})
 

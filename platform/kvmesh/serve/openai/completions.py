@@ -9,7 +9,8 @@ events, followed by the usage when `stream_options.include_usage` asks for it.
 `echo` puts the prompt before each choice's text (with `logprobs`, the prompt tokens'
 logprobs first, the first token's null, as OpenAI's legacy API); `prompt_logprobs`
 (vLLM's) adds each prompt token's logprobs to the choice. `max_tokens` defaults to 16, as
-in OpenAI's API; `suffix` is refused. A batch is capped at `max_prompts_per_request` and
+in OpenAI's API; `suffix` is refused. vLLM's `add_special_tokens: false` encodes a text
+prompt here without the tokenizer's special tokens (no BOS). A batch is capped at `max_prompts_per_request` and
 each text prompt at `max_prompt_chars`; a non-streaming request is cancelled when its
 client disconnects.
 """
@@ -25,6 +26,7 @@ from typing import Any
 from fastapi import Request
 
 from kvmesh._proto import llm_pb2
+from kvmesh.serve.openai import request_span
 from kvmesh.serve.openai.backend import Backend
 from kvmesh.serve.openai.generation import (
     BackendSource,
@@ -57,6 +59,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
         params.prompt_logprobs = body.logprobs  # the echoed prompt's tokens carry logprobs too
     cid = f"cmpl-{uuid.uuid4().hex}"
+    request_span.describe(model, params, cid)
     head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model}
     prompts = body.prompts()
     limits = limits_of(request)
@@ -66,11 +69,16 @@ async def completions(body: CompletionRequest, request: Request):
     for p in prompts:
         if isinstance(p, str):
             check_prompt_chars(limits, len(p), "prompt")
-    echo = None
-    if body.echo:  # the prompt's tokens are needed to echo their logprobs: encode here, as the router would
-        texts = [p if isinstance(p, str) else b.decode(p) for p in prompts]
-        prompts = [await asyncio.to_thread(b.encode, p) if isinstance(p, str) else p for p in prompts]
-        echo = _Echo(b, prompts, texts, body)
+    if not body.add_special_tokens and body.compression is not None:
+        raise APIError(400, "add_special_tokens false encodes the prompt here, but compression rewrites it at the "
+                            "router; use one of them", param="add_special_tokens")
+    texts = [p if isinstance(p, str) else b.decode(p) for p in prompts] if body.echo else []
+    if body.echo or not body.add_special_tokens:
+        # Encoded here, as the router would: echo needs the prompt's tokens (for their
+        # logprobs), add_special_tokens false an encoding the router does not make.
+        prompts = [await asyncio.to_thread(b.encode, p, body.add_special_tokens) if isinstance(p, str) else p
+                   for p in prompts]
+    echo = _Echo(b, prompts, texts, body) if body.echo else None
     reqs = [build_request(f"{cid}-{i}", p, params, body, model) for i, p in enumerate(prompts)]
     if not body.stream:
         return await until_disconnected(request, _complete(b, body, reqs, head, echo))

@@ -1,11 +1,10 @@
 """The OpenAI wire shapes kvmesh speaks: request bodies (pydantic) and the error shape.
 
-Request models ignore unknown fields (as vLLM does) and reject known but unsupported
-ones with a non-default value (n > 1, best_of, logit_bias, ...) with a 400 that says what to
-change. `APIError` is the OpenAI error `{"error": {"message", "type", "param", "code"}}`
-with its HTTP status; `APIError.of` maps the router's typed errors onto it
-(InvalidRequestError -> 400 with `param` the field it names, UnavailableError -> 503,
-RateLimitedError -> 429 with Retry-After, ...); `code` is always a string.
+Request models keep the fields they do not declare as extras (`model_extra`), which
+`check_unsupported` reads (fields.py): a known field that would change the output is a
+400 that names it and says what to use; an unknown one is ignored, as vLLM does, with a
+warning naming it. The OpenAI error shape is errors.py's `APIError` (re-exported here),
+the structured-output fields' proto structured.py's.
 
 Bodies are checked so that nothing invalid reaches the gRPC layer (where it would be a
 500): integers within the protobuf types' ranges, finite floats (`NaN` / `Infinity`
@@ -15,66 +14,26 @@ text-only chat content parts whose `text` is a string.
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Annotated, Any, Literal
 
-import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvmesh._proto import llm_pb2
 from kvmesh.chat.tools import ToolSet
-from kvmesh.errors import InvalidRequestError, KVMeshError, RateLimitedError
-from kvmesh.rpc.status import error_of_rpc, status_of
+from kvmesh.errors import InvalidRequestError
+from kvmesh.serve.openai.errors import APIError
+from kvmesh.serve.openai.fields import (
+    CHAT_REFUSED,
+    MESSAGE_REPLY_FIELDS,
+    SAMPLING_REFUSED,
+    Refused,
+    refusal,
+    warn_unknown,
+)
+from kvmesh.serve.openai.structured import response_format_proto, structured_outputs_for_schema, vllm_structured_proto
 
-HTTP_OF_GRPC = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-}
-
-
-class APIError(KVMeshError):
-    """An OpenAI-style HTTP error: `status` is the HTTP status, `body()` the JSON."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers: dict[str, str] = {}  # e.g. Retry-After on a 429
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code or _CODE_OF_STATUS.get(self.status, self.type)}}
-
-    @classmethod
-    def of(cls, exc: BaseException) -> APIError:
-        """The OpenAI error of a typed kvmesh error from the router (the field it names
-        becomes `param`), of a failed gRPC call (decoded to its typed error first), or of
-        anything else (a 500)."""
-        if isinstance(exc, APIError):
-            return exc
-        if isinstance(exc, grpc.aio.AioRpcError):
-            exc = error_of_rpc(exc)
-        if isinstance(exc, RateLimitedError):  # the router's per-API-key rate limit (router/ratelimit.py)
-            err = cls(429, str(exc), "rate_limit_exceeded", code="rate_limit_exceeded")
-            err.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
-            return err
-        code, message = status_of(exc)
-        status, type_ = HTTP_OF_GRPC.get(code, (500, "internal_error"))
-        return cls(status, message, type_, param=getattr(exc, "field", None), code=code.name.lower())
-
-
-_CODE_OF_STATUS = {400: "invalid_request", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found",
-                   405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type",
-                   422: "invalid_request", 429: "rate_limit_exceeded", 499: "cancelled", 500: "internal_error",
-                   503: "unavailable", 504: "timeout"}
+__all__ = ["APIError", "ChatMessage", "ChatRequest", "CompletionRequest", "SamplingFields",
+           "structured_outputs_for_schema"]
 
 # The protobuf types these fields travel as (llm.proto): out of range is a 400 here.
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -103,12 +62,16 @@ def _lone_surrogate_at(value: Any, path: str = "") -> str | None:
 
 
 class SamplingFields(BaseModel):
-    """Fields common to completions and chat; unknown fields are ignored."""
+    """Fields common to completions and chat; undeclared ones are kept as extras for
+    `check_unsupported` (refused when they change the output, else ignored and logged)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: Int32 | None = Field(None, description="Default 16 (completions) / until EOS (chat).")
+    min_tokens: Annotated[int, Field(ge=0, le=2**31 - 1)] = Field(
+        0, description="vLLM extension: generate at least this many tokens (EOS and stop_token_ids are not "
+        "sampled, stop strings not looked for, until then).")
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int32 | None = None
@@ -156,10 +119,15 @@ class SamplingFields(BaseModel):
                            param=at)
         return data
 
-    def check_unsupported(self) -> None:
+    def check_unsupported(self, route: str = "/v1/completions", refused: dict[str, Refused] = SAMPLING_REFUSED) -> None:
+        """A 400 for what would change the output and is not served; a warning for unknown fields."""
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, f"best_of must be unset or equal to n ({self.n}): kvmesh returns every choice it "
                                 "samples and does not rank extra ones", param="best_of")
+        found = refusal(self.model_extra, refused)
+        if found is not None:
+            raise APIError(400, found[1], param=found[0])
+        warn_unknown(self.model_extra, refused, route)
 
     def logit_bias_ids(self) -> dict[int, float]:
         """`logit_bias` with its keys (token ids as JSON strings) as integers."""
@@ -182,7 +150,7 @@ class SamplingFields(BaseModel):
         msg = llm_pb2.SamplingParams(ignore_eos=self.ignore_eos,
                                      include_stop_str_in_output=self.include_stop_str_in_output)
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
-        scalars = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+        scalars = {"max_tokens": max_tokens, "min_tokens": self.min_tokens or None, "temperature": self.temperature, "top_p": self.top_p,
                    "top_k": self.top_k, "min_p": self.min_p, "seed": self.seed,
                    "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                    "repetition_penalty": self.repetition_penalty, "skip_special_tokens": self.skip_special_tokens,
@@ -215,10 +183,10 @@ class SamplingFields(BaseModel):
             return None
         name = given[0]
         if name == "response_format":
-            return _response_format_proto(rf)
+            return response_format_proto(rf)
         if name == "structured_outputs":
-            return _vllm_structured_proto(self.structured_outputs)
-        return _vllm_structured_proto({name.removeprefix("guided_"): getattr(self, name)}, param=name)
+            return vllm_structured_proto(self.structured_outputs)
+        return vllm_structured_proto({name.removeprefix("guided_"): getattr(self, name)}, param=name)
 
 
 class CompletionRequest(SamplingFields):
@@ -226,6 +194,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = Field(True, description="vLLM extension: false encodes a text prompt without the "
+                                     "tokenizer's special tokens (no BOS).")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -256,13 +226,18 @@ class MessageToolCall(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    """One chat message; `name` and `tool_call_id` reach the chat template. Legacy
+    `function` messages and an assistant's `function_call` are read as tool messages and
+    tool calls (legacy.py)."""
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = Field(None, description="assistant: the calls it made.")
     tool_call_id: str | None = Field(None, description="tool: the call this message answers.")
+    function_call: FunctionCall | None = Field(None, description="Legacy: an assistant's one call.")
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it (kvmesh.chat.tools.template_messages)."""
@@ -293,6 +268,12 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+# apply_chat_template's own arguments: a template variable may not take their names.
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "chat_template", "tokenize", "padding",
+                                 "truncation", "max_length", "return_tensors", "return_dict",
+                                 "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: Int32 | None = None
@@ -304,6 +285,47 @@ class ChatRequest(SamplingFields):
         None, description="none, auto (the default with tools), required, or {type: function, function: {name}}.")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call per reply.")
     response_format: dict[str, Any] | None = None
+    functions: list[Any] | None = Field(None, description="Legacy form of tools (served as tools; the reply comes "
+                                        "in the legacy shape, message.function_call).")
+    function_call: str | dict[str, Any] | None = Field(None, description="Legacy form of tool_choice: none, auto "
+                                                       "or {name}.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: variables for the chat template (e.g. {enable_thinking: false}).")
+    add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with the opening of the "
+                                        "assistant's turn; false renders the messages as they are.")
+    continue_final_message: bool = Field(
+        False, description="vLLM extension: continue the last message (an assistant prefix) instead of opening a "
+        "new turn; needs add_generation_prompt false.")
+    documents: list[dict[str, Any]] | None = Field(None, description="vLLM extension: documents for templates "
+                                                   "that read them (RAG templates).")
+    reasoning_effort: str | None = Field(None, description="Passed to the chat template as the variable "
+                                         "reasoning_effort (templates of reasoning models read it).")
+
+    def template_options(self) -> dict[str, Any]:
+        """apply_chat_template's keyword arguments from the body: add_generation_prompt,
+        continue_final_message, documents and the template's variables (a 400 naming the
+        field when they clash)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        for key in kwargs:
+            if key in _TEMPLATE_ARGUMENTS:
+                use = f"use the top-level {key} field" if key in ("tools", "messages") else "the server sets it"
+                raise APIError(400, f"chat_template_kwargs.{key} is not a template variable: {use}",
+                               param=f"chat_template_kwargs.{key}")
+        opts: dict[str, Any] = {"add_generation_prompt": self.add_generation_prompt,
+                                "continue_final_message": self.continue_final_message}
+        if self.documents is not None:
+            opts["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            opts["reasoning_effort"] = self.reasoning_effort
+        opts.update(kwargs)  # as vLLM: chat_template_kwargs may set the top-level ones too
+        for key in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(opts[key], bool):
+                raise APIError(400, f"chat_template_kwargs.{key} must be true or false",
+                               param=f"chat_template_kwargs.{key}")
+        if opts["continue_final_message"] and opts["add_generation_prompt"]:
+            raise APIError(400, "continue_final_message continues the last message, so it needs "
+                                "add_generation_prompt false", param="continue_final_message")
+        return opts
 
     def tool_set(self) -> ToolSet:
         """The validated tools and tool_choice (a 400 naming the field when wrong)."""
@@ -312,61 +334,9 @@ class ChatRequest(SamplingFields):
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.field) from None
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-
-
-def structured_outputs_for_schema(schema: dict[str, Any] | bool | str,
-                                  disable_any_whitespace: bool = False) -> llm_pb2.StructuredOutputs:
-    """The proto constraint "the output is JSON valid against `schema`" (e.g. tool_choice=required)."""
-    text = schema if isinstance(schema, str) else json.dumps(schema)
-    return llm_pb2.StructuredOutputs(json_schema=text, disable_any_whitespace=disable_any_whitespace)
-
-
-def _response_format_proto(rf: dict[str, Any]) -> llm_pb2.StructuredOutputs:
-    """OpenAI's response_format {type: json_object} / {type: json_schema, json_schema: {name, schema, strict}}."""
-    kind = rf.get("type")
-    if kind == "json_object":
-        return llm_pb2.StructuredOutputs(json_object=True)
-    if kind != "json_schema":
-        raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                       param="response_format")
-    js = rf.get("json_schema")
-    schema = js.get("schema") if isinstance(js, dict) else None
-    if not isinstance(schema, (dict, bool)):
-        raise APIError(400, "response_format.json_schema.schema must be a JSON schema object "
-                       "({type: json_schema, json_schema: {name, schema, strict}})", param="response_format")
-    return structured_outputs_for_schema(schema)
-
-
-_VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-def _vllm_structured_proto(so: dict[str, Any], param: str = "structured_outputs") -> llm_pb2.StructuredOutputs:
-    """vLLM's structured_outputs {json | regex | choice | grammar | json_object, disable_any_whitespace}."""
-    kinds = [k for k in _VLLM_KINDS if so.get(k) not in (None, False)]
-    if len(kinds) != 1:
-        raise APIError(400, f"{param} needs exactly one of {', '.join(_VLLM_KINDS)}; got "
-                       f"{', '.join(kinds) or 'none'}", param=param)
-    kind, value = kinds[0], so[kinds[0]]
-    ws = so.get("disable_any_whitespace", False)
-    if not isinstance(ws, bool):
-        raise APIError(400, f"{param}.disable_any_whitespace must be true or false", param=param)
-    if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise APIError(400, f"{param}: the JSON schema is not valid JSON: {exc}", param=param) from None
-        if not isinstance(value, (dict, bool)):
-            raise APIError(400, f"{param}: a JSON schema must be an object", param=param)
-        return structured_outputs_for_schema(value, ws)
-    if kind == "json_object":
-        return llm_pb2.StructuredOutputs(json_object=True, disable_any_whitespace=ws)
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise APIError(400, f"{param}: choice must be a non-empty list of non-empty strings", param=param)
-        return llm_pb2.StructuredOutputs(choice=llm_pb2.StructuredChoice(choices=value), disable_any_whitespace=ws)
-    if not isinstance(value, str) or not value:
-        raise APIError(400, f"{param}: {kind} must be a non-empty string", param=param)
-    return llm_pb2.StructuredOutputs(**{kind: value}, disable_any_whitespace=ws)
+    def check_unsupported(self, route: str = "/v1/chat/completions",
+                          refused: dict[str, Refused] = CHAT_REFUSED) -> None:
+        super().check_unsupported(route, refused)
+        for m in self.messages:
+            extras = {k: v for k, v in (m.model_extra or {}).items() if v is not None}
+            warn_unknown(extras, MESSAGE_REPLY_FIELDS, f"{route} messages[]")

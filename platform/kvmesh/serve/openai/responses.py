@@ -28,6 +28,7 @@ from fastapi import Request
 
 from kvmesh._proto import llm_pb2
 from kvmesh.errors import KVMeshError
+from kvmesh.serve.openai import request_span
 from kvmesh.serve.openai.backend import Backend
 from kvmesh.serve.openai.chat import ChatGeneration, ParsedDelta, logprobs_of, parsed_deltas, prepare_chat
 from kvmesh.serve.openai.generation import BackendSource, stream_response
@@ -99,6 +100,7 @@ async def responses(body: ResponsesRequest, request: Request):
     except APIError as e:
         raise responses_error(e) from None
     reply = _Reply(b, body, chat, gen)
+    request_span.describe(gen.model, gen.params, reply.id)
     if not body.stream:
         return await until_disconnected(request, _complete(reply))
     return await stream_response(_events(reply), preamble=2, done=None)

@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvmesh.serve.openai.fields import RESPONSES_REFUSED, refusal, warn_unknown
 from kvmesh.serve.openai.protocol import APIError, ChatMessage, ChatRequest, FunctionCall, Int64, MessageToolCall
 from kvmesh.serve.openai.protocol import _lone_surrogate_at as lone_surrogate_at
 
@@ -30,9 +31,10 @@ ROLES = ("user", "assistant", "system", "developer")
 
 
 class ResponsesRequest(BaseModel):
-    """A Responses API body; unknown fields are ignored, as on the other routes."""
+    """A Responses API body; undeclared fields are refused when they change the output,
+    else ignored with a warning, as on the other routes (fields.py)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     input: str | list[Any] = Field(..., description="A user message's text, or a list of items: messages "
@@ -80,6 +82,10 @@ class ResponsesRequest(BaseModel):
         if self.background:
             raise APIError(400, "background is not supported: kvmesh stores no responses to poll; leave it unset "
                                 "(stream instead)", param="background")
+        found = refusal(self.model_extra, RESPONSES_REFUSED)
+        if found is not None:
+            raise APIError(400, found[1], param=found[0])
+        warn_unknown(self.model_extra, RESPONSES_REFUSED, "/v1/responses")
 
     def wants_logprobs(self) -> bool:
         return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
