@@ -156,7 +156,7 @@ def _call_stack(a, caches):
     return torch.ops.kvmesh.decode_stack(
         a["h"], a["cos"], a["sin"], a["norms"], a["linears"], a["kinds"], a["biases"],
         [k for k, _ in caches], [v for _, v in caches], a["slots"], a["tables"], a["ctx"], a["heads"],
-        a["kv_heads"], 1e-6, a["scale"], a["skinny_rows"])
+        a["kv_heads"], 1e-6, a["scale"], a["skinny_rows"], [], [])
 
 
 @pytest.mark.parametrize("t", [1, 3, 8, 21])

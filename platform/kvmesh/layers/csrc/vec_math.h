@@ -28,6 +28,10 @@ inline vec vload(const at::BFloat16* p) {
 inline vec vload(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// 16 int8 values (an 8-bit KV cache row) widened to floats.
+inline vec vload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
@@ -52,6 +56,9 @@ inline vec vload(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 inline vec vload(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vec vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
