@@ -112,6 +112,7 @@ SAMPLES = {
     ("model", "quantization"): "int4", ("model", "quantization_group_size"): "64",
     ("cache", "block_size"): "32", ("cache", "num_blocks"): "100", ("cache", "kv_cache_memory_gb"): "1.5",
     ("cache", "kv_cache_memory_fraction"): "0.5", ("cache", "enable_prefix_caching"): None,
+    ("cache", "kv_cache_dtype"): "int8",
     ("scheduler", "max_num_seqs"): "7", ("scheduler", "max_num_batched_tokens"): "333",
     ("scheduler", "step_timeout_s"): "30", ("cache", "max_pinned_fraction"): "0.25",
     ("num_threads",): "3", ("kv_store",): "memory", ("kv_store_ttl_s",): "60",

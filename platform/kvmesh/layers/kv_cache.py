@@ -128,11 +128,13 @@ def write(kv: QuantizedKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch
     nb, bs, kvh, d = kv.k.shape
     for rows, cache, scales in ((k, kv.k, kv.k_scale), (v, kv.v, kv.v_scale)):
         q, s = quantize_rows(rows, cache.dtype)
-        cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, q)
+        # (as bytes: torch has no CPU index_copy_ / index_select for float8)
+        cache.view(torch.uint8).view(nb * bs, kvh, d).index_copy_(0, slot_mapping, q.view(torch.uint8))
         scales.view(nb * bs, kvh).index_copy_(0, slot_mapping, s)
 
 
 def gather(cache: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `index` of a quantized cache (either blocks of (nb, bs, kvh, d) or flat slots of
     (nb * bs, kvh, d), as `cache` and `scales` are shaped), dequantized into `dtype`."""
-    return dequantize(cache.index_select(0, index), scales.index_select(0, index), dtype)
+    rows = cache.view(torch.uint8).index_select(0, index).view(cache.dtype)
+    return dequantize(rows, scales.index_select(0, index), dtype)
