@@ -118,7 +118,7 @@ def test_int8_decode_equals_float_decode_over_the_dequantized_cache(batch, d, ma
     op = torch.ops.kvmesh.paged_decode_attention
     out = op(q, kc, vc, table, lens, d**-0.5, window, ks, vs)
     kd, vd = _deq(kc, ks), _deq(vc, vs)
-    torch.testing.assert_close(out, op(q, kd, vd, table, lens, d**-0.5, window), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(out, op(q, kd, vd, table, lens, d**-0.5, window), rtol=2e-5, atol=2e-5)
     ref = _decode_reference(q, kd, vd, table, lens, d**-0.5, window)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     # a bf16 / fp16 model over the same cache: the dequantized values in float32, the output rounded
@@ -149,7 +149,7 @@ def test_int8_decode_cascade_over_shared_prefixes():
     q = torch.randn(len(own), h, d, generator=g)
     op = torch.ops.kvmesh.paged_decode_attention
     out = op(q, kc, vc, table, lens, d**-0.5, 0, ks, vs)
-    torch.testing.assert_close(out, op(q, _deq(kc, ks), _deq(vc, vs), table, lens, d**-0.5), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(out, op(q, _deq(kc, ks), _deq(vc, vs), table, lens, d**-0.5), rtol=2e-5, atol=2e-5)
 
 
 def _prefill_batch(chunks, bs, nb, g):
@@ -228,7 +228,7 @@ for d in (64, 40):
     q = torch.randn(3, h, d, generator=g)
     op = torch.ops.kvmesh.paged_decode_attention
     torch.testing.assert_close(op(q, *kv[:2], table, lens, d**-0.5, 0, *kv[2:]), op(q, kd, vd, table, lens, d**-0.5),
-                               rtol=2e-6, atol=2e-6)
+                               rtol=2e-5, atol=2e-5)
     out, want = torch.zeros(40, h, d), torch.zeros(40, h, d)
     spans = torch.tensor([[0, 30, 100], [30, 10, 0]])
     torch.ops.kvmesh.paged_prefill_attention(out, torch.randn(40, h, d, generator=g), *kv[:2], table[:2], spans,

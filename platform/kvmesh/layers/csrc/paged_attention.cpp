@@ -34,9 +34,10 @@
 //   prefix cache) attend those blocks in one task for all of them (cascade attention, see
 //   `shared_groups`): the prefix is read once per step, not once per sequence;
 // - an int8 cache is read at a quarter of fp32's bytes (plus a scale per row): per chunk and
-//   KV head its rows are widened and scaled into an fp32 tile in L1 (`attend_q8`), which the
-//   G query heads of that KV head then read, so each int8 row is converted once, not G times,
-//   and no fp32 copy of the cache exists beyond that tile.
+//   KV head its rows are widened into an fp32 tile in L1 (`attend_q8`), which the G query
+//   heads of that KV head then read, so each int8 row is converted once, not G times, and no
+//   fp32 copy of the cache exists beyond that tile; the scales multiply whole vectors of
+//   scores and probabilities, and scores are reduced W at a time (`vsums`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -249,46 +250,75 @@ void attend_fixed(const float* qs, const scalar_t* kp, const scalar_t* vp, const
   }
 }
 
-// Online-softmax update of one query head `q` (pre-scaled, D floats) over a chunk of n keys
-// and values held as fp32 rows (row stride D) in `kt` / `vt`; `sg` gets the chunk's
-// probabilities. NV > 0: D = NV * W, the query and accumulator in registers (as
-// `attend_fixed`); NV == 0: any D, vector loops with a scalar tail (as `attend`).
+// Scores and online-softmax update of one query head `q` (pre-scaled, D floats) over a chunk
+// of n keys of an int8 cache, widened (not scaled) into fp32 rows of stride D in `kt`, their
+// scales in ks; `sg` gets the chunk's probabilities times the values' scales vs, ready for
+// P V over the widened values (the running sum l takes the probabilities themselves):
+//   score_j = ks_j (q . kt_j)          p_j v_j = (p_j vs_j) vt_j
+// Scores are computed W keys at a time and reduced together (vsums): one horizontal sum per
+// key was a third of a head's work once the cache's bytes were cut to a quarter. NV > 0:
+// D = NV * W, the query in registers; NV == 0: any D, a scalar tail. The accumulator `ag` is
+// rescaled to the new running max here; the caller adds P V.
 template <int NV>
-inline void head_chunk(const float* q, const float* kt, const float* vt, int64_t D, int64_t n, float& m, float& l,
-                       float* ag, float* sg) {
+inline void scores_q8(const float* q, const float* kt, const float* ks, const float* vs, int64_t D, int64_t n,
+                      float& m, float& l, float* ag, float* sg) {
   const int64_t nv = D / W, tail = nv * W;
-  if constexpr (NV > 0) {
-    vec qr[NV];
+  const int64_t nw = W > 1 ? n / W * W : 0;  // keys scored W at a time
+  vec qr[NV > 0 ? NV : 1];
+  if constexpr (NV > 0)
     for (int i = 0; i < NV; ++i) qr[i] = vload(q + i * W);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* k = kt + j * D;
-      vec a0 = vmul(qr[0], vload(k));
+  auto dot = [&](const float* k) {  // q . k as a vector of partial sums (the D % W tail apart)
+    vec a0;
+    if constexpr (NV > 0) {
+      a0 = vmul(qr[0], vload(k));
       vec a1 = NV > 1 ? vmul(qr[1], vload(k + W)) : vzero();
       for (int i = 2; i < NV; i += 2) {
         a0 = vfma(qr[i], vload(k + i * W), a0);
         if (i + 1 < NV) a1 = vfma(qr[i + 1], vload(k + (i + 1) * W), a1);
       }
-      sg[j] = vsum(vadd(a0, a1));
-    }
-  } else {
-    for (int64_t j = 0; j < n; ++j) {
-      const float* k = kt + j * D;
-      vec a0 = vzero();
+      a0 = vadd(a0, a1);
+    } else {
+      a0 = vzero();
       for (int64_t i = 0; i < nv; ++i) a0 = vfma(vload(q + i * W), vload(k + i * W), a0);
-      float s = vsum(a0);
-      for (int64_t d = tail; d < D; ++d) s += q[d] * k[d];
-      sg[j] = s;
     }
+    return a0;
+  };
+  auto rest = [&](const float* k) {  // the D % W tail columns
+    float e = 0.f;
+    for (int64_t d = tail; d < D; ++d) e += q[d] * k[d];
+    return e;
+  };
+  for (int64_t j0 = 0; j0 < nw; j0 += W) {
+    vec acc[W];
+    for (int64_t t = 0; t < W; ++t) acc[t] = dot(kt + (j0 + t) * D);
+    vec sc = vsums(acc);
+    if (NV == 0 && tail < D) {
+      float extra[W];
+      for (int64_t t = 0; t < W; ++t) extra[t] = rest(kt + (j0 + t) * D);
+      sc = vadd(sc, vload(extra));
+    }
+    vstore(sg + j0, vmul(sc, vload(ks + j0)));
   }
+  for (int64_t j = nw; j < n; ++j) sg[j] = (vsum(dot(kt + j * D)) + rest(kt + j * D)) * ks[j];
   float sum;
   const float mx = exp_chunk(sg, n, m, sum);
   if (mx != m) {
     const float alpha = exp_nonpos(m - mx);  // 0 on the first chunk (m = -inf)
     l *= alpha;
-    for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+    const vec va = vset1(alpha);
+    int64_t d = 0;
+    for (; d + W <= D; d += W) vstore(ag + d, vmul(va, vload(ag + d)));
+    for (; d < D; ++d) ag[d] *= alpha;
     m = mx;
   }
   l += sum;
+  for (int64_t j = 0; j < nw; j += W) vstore(sg + j, vmul(vload(sg + j), vload(vs + j)));
+  for (int64_t j = nw; j < n; ++j) sg[j] *= vs[j];
+}
+
+// ag += sum_j sg[j] vt_j for one head over n widened value rows (row stride D) of a tile.
+template <int NV>
+inline void pv_tile_q8(const float* vt, const float* sg, int64_t D, int64_t n, float* ag) {
   if constexpr (NV > 0) {
     vec acc[NV];
     for (int i = 0; i < NV; ++i) acc[i] = vload(ag + i * W);
@@ -299,6 +329,7 @@ inline void head_chunk(const float* q, const float* kt, const float* vt, int64_t
     }
     for (int i = 0; i < NV; ++i) vstore(ag + i * W, acc[i]);
   } else {
+    const int64_t nv = D / W, tail = nv * W;
     for (int64_t j = 0; j < n; ++j) {
       const float* v = vt + j * D;
       const vec p = vset1(sg[j]);
@@ -308,29 +339,72 @@ inline void head_chunk(const float* q, const float* kt, const float* vt, int64_t
   }
 }
 
-// dst[0 .. D) = s * src[0 .. D): an int8 cache row widened and scaled.
-inline void dequant_row(const int8_t* src, float s, float* dst, int64_t D) {
-  const vec vs = vset1(s);
+// P V for HB heads at once straight from the int8 value rows `vrows` (n of them, D = NV * W):
+// each row widened once into registers and added into the HB heads' accumulators, also held
+// in registers; head h's probabilities are sg[h * CHUNK ..], its accumulator ag[h * D ..].
+// (A tile of widened values would cost a store and HB loads per vector: on CPUs that split
+// 512-bit stores, the tile's L1 traffic was the int8 kernel's bound.)
+template <int NV, int HB>
+inline void pv_regs_q8(const int8_t* const* vrows, const float* sg, int64_t n, float* ag, int64_t D) {
+  vec acc[HB][NV];
+  for (int h = 0; h < HB; ++h)
+    for (int i = 0; i < NV; ++i) acc[h][i] = vload(ag + h * D + i * W);
+  for (int64_t j = 0; j < n; ++j) {
+    vec v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = vload(vrows[j] + i * W);
+    for (int h = 0; h < HB; ++h) {
+      const vec p = vset1(sg[h * CHUNK + j]);
+      for (int i = 0; i < NV; ++i) acc[h][i] = vfma(p, v[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int i = 0; i < NV; ++i) vstore(ag + h * D + i * W, acc[h][i]);
+}
+
+// Accumulator registers the register-held P V may use (of 32 zmm / 16 ymm), and so how many
+// heads it takes at once for a head of NV vectors; 1: the widened-value tile instead.
+constexpr int kAccRegs = W >= 16 ? 16 : 8;
+template <int NV>
+constexpr int kHeadsPerPass = NV > 0 ? kAccRegs / NV : 0;
+
+// pv_regs_q8 over heads [0, nh) in passes of up to HB (the last pass with the rest).
+template <int NV, int HB>
+inline void pv_heads_q8(const int8_t* const* vrows, const float* sg, int64_t n, float* ag, int64_t D, int64_t nh) {
+  int64_t h = 0;
+  for (; h + HB <= nh; h += HB) pv_regs_q8<NV, HB>(vrows, sg + h * CHUNK, n, ag + h * D, D);
+  if constexpr (HB > 1) {
+    if (h < nh) pv_heads_q8<NV, HB - 1>(vrows, sg + h * CHUNK, n, ag + h * D, D, nh - h);
+  }
+}
+
+// dst[0 .. D) = src[0 .. D) widened to floats (an int8 cache row).
+inline void widen_row(const int8_t* src, float* dst, int64_t D) {
   int64_t d = 0;
-  for (; d + W <= D; d += W) vstore(dst + d, vmul(vload(src + d), vs));
-  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
+  for (; d + W <= D; d += W) vstore(dst + d, vload(src + d));
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
 // `attend` over an int8 cache with per-(token, KV head) scales `ksc` / `vsc`. Per chunk the
 // rows' slots are resolved (and the next chunk's rows and scales prefetched, as
-// `chunk_rows` does); then per KV head the chunk's K and V rows of that head are dequantized
-// into `tile` (2 x CHUNK x D floats, L1-sized) and the G query heads sharing it attend the
-// tile (`head_chunk`). Query head x reads KV head x / G, as in `attend`.
+// `chunk_rows` does); then per KV head the chunk's K rows of that head are widened into
+// `tile` (CHUNK x D floats, L1-sized) with the K and V scales beside, the G query heads
+// sharing it score the tile (`scores_q8`), and P V adds the int8 value rows for several heads
+// at once (`pv_heads_q8`; a widened tile where the registers hold too few heads). Query
+// head x reads KV head x / G, as in `attend`.
 template <int NV>
 void attend_q8(const float* qs, const int8_t* kp, const int8_t* vp, const float* ksc, const float* vsc,
                const int64_t* table, int64_t bs, int64_t KVH, int64_t D, int64_t G, int64_t t_begin, int64_t t_end,
                Partial st, float* scores, float* tile) {
+  constexpr int HB = kHeadsPerPass<NV>;
   const int64_t H = KVH * G;
   const int64_t row_stride = KVH * D;
   reset_state(st, H, D);
   float* kt = tile;
   float* vt = tile + CHUNK * D;
+  float* ks = tile + 2 * CHUNK * D;
+  float* vs = ks + CHUNK;
   int64_t slots[CHUNK];
+  const int8_t* vrows[CHUNK];
   for (int64_t t0 = t_begin; t0 < t_end; t0 += CHUNK) {
     const int64_t n = std::min(CHUNK, t_end - t0);
     for (int64_t j = 0; j < n; ++j) {
@@ -348,12 +422,21 @@ void attend_q8(const float* qs, const int8_t* kp, const int8_t* vp, const float*
     }
     for (int64_t kh = 0; kh < KVH; ++kh) {
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t off = slots[j] * row_stride + kh * D, si = slots[j] * KVH + kh;
-        dequant_row(kp + off, ksc[si], kt + j * D, D);
-        dequant_row(vp + off, vsc[si], vt + j * D, D);
+        const int64_t si = slots[j] * KVH + kh;
+        widen_row(kp + slots[j] * row_stride + kh * D, kt + j * D, D);
+        vrows[j] = vp + slots[j] * row_stride + kh * D;
+        ks[j] = ksc[si];
+        vs[j] = vsc[si];
       }
       for (int64_t g = kh * G; g < (kh + 1) * G; ++g)
-        head_chunk<NV>(qs + g * D, kt, vt, D, n, st.m[g], st.l[g], st.acc + g * D, scores + g * CHUNK);
+        scores_q8<NV>(qs + g * D, kt, ks, vs, D, n, st.m[g], st.l[g], st.acc + g * D, scores + g * CHUNK);
+      if constexpr (HB >= 2) {
+        pv_heads_q8<NV, HB>(vrows, scores + kh * G * CHUNK, n, st.acc + kh * G * D, D, G);
+      } else {
+        for (int64_t j = 0; j < n; ++j) widen_row(vrows[j], vt + j * D, D);
+        for (int64_t g = kh * G; g < (kh + 1) * G; ++g)
+          pv_tile_q8<NV>(vt, scores + g * CHUNK, D, n, st.acc + g * D);
+      }
     }
   }
 }
@@ -522,7 +605,7 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   std::vector<float> state(B * slots * slot, 0.f);
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
   const AttendFn<cache_t> attend_fn = pick_attend<cache_t>(D);
-  const int64_t tile_size = std::is_same_v<cache_t, int8_t> ? 2 * CHUNK * D : 0;
+  const int64_t tile_size = std::is_same_v<cache_t, int8_t> ? 2 * CHUNK * (D + 1) : 0;
 
 #pragma omp parallel num_threads(std::min(threads, ntasks))
   {
