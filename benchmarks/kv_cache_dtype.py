@@ -76,9 +76,11 @@ def _prompts(tokenizer, ctx: int, batch: int) -> list[list[int]]:
 def _engines(args):
     from kvmesh import LLM
 
-    ctx_max = max(args.contexts)
+    # room for the longest context, and for the quality checks (1,024-token perplexity, the chat
+    # prompt and its generation)
+    max_len = max(max(args.contexts) + args.new, 1100 + args.gen) + 16
     return {kind: LLM(progress=False, kv_cache_dtype=kind, kv_cache_memory_gb=args.kv_gb, block_size=16,
-                      max_model_len=ctx_max + args.new + 16, max_num_seqs=max(args.batch, 8),
+                      max_model_len=max_len, max_num_seqs=max(args.batch, 8),
                       max_num_batched_tokens=2048, num_threads=args.threads)
             for kind in KINDS}
 
