@@ -113,6 +113,7 @@ SAMPLES = {
     ("cache", "block_size"): "32", ("cache", "num_blocks"): "100", ("cache", "kv_cache_memory_gb"): "1.5",
     ("cache", "kv_cache_memory_fraction"): "0.5", ("cache", "enable_prefix_caching"): None,
     ("cache", "gpu_memory_utilization"): "0.9",
+    ("cache", "kv_cache_dtype"): "int8",
     ("scheduler", "max_num_seqs"): "7", ("scheduler", "max_num_batched_tokens"): "333",
     ("scheduler", "step_timeout_s"): "30", ("cache", "max_pinned_fraction"): "0.25",
     ("num_threads",): "3", ("kv_store",): "memory", ("kv_store_ttl_s",): "60",

@@ -28,6 +28,7 @@ from kvmesh.engine.outputs import RequestOutput
 from kvmesh.errors import ConfigError, InvalidRequestError
 from kvmesh.kvstore import BlockCodec, create_store
 from kvmesh.kvstore.codec import load_mac_key
+from kvmesh.layers import kv_cache as kvq
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.loader import load_arch_config
 from kvmesh.quant.loader import load_model, quantization_id
@@ -84,7 +85,8 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     max_model_len = mc.max_model_len or limit
     model, arch = load_model(path, dtype, device, max_model_len + 1, mc.quantization, mc.quantization_group_size,
                              config.kernels)
-    spec = KVCacheSpec(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+    kv_quant = kvq.resolve(cc.kv_cache_dtype, device)  # None: K/V in the model's dtype
+    spec = KVCacheSpec(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype, kv_quant)
     num_blocks = cc.num_blocks or _auto_num_blocks(config, spec, device)
     capacity = (num_blocks - 1) * cc.block_size
     # Every layer sliding: a request holds about a window of blocks, however long (the engine
@@ -110,21 +112,23 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     lora = _build_lora(config, model, device, dtype)
     runner = ModelRunner(model, arch, cc.block_size, num_blocks, device, seed=mc.seed,
                          attention_backend=config.attention_backend, cuda_graph_max_batch=graph_batch,
-                         max_model_len=max_model_len, kernels=config.kernels, grammar=grammar, lora=lora)
+                         max_model_len=max_model_len, kernels=config.kernels, grammar=grammar, lora=lora,
+                         kv_quant=kv_quant)
     proposer = None
     if config.speculative is not None:
         proposer = _build_proposer(config, config.speculative, path, model, arch, max_model_len, num_blocks)
     connector = None
     if config.kv_store:
         # KVMESH_KV_HMAC_KEY set: blocks in the shared store are authenticated (kvstore/codec.py).
-        codec = BlockCodec(fingerprint, dtype_name, cc.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                           mac_key=load_mac_key())
+        # (an 8-bit cache's blocks are stored as such, scales included, under keys of their own)
+        codec = BlockCodec(fingerprint, spec.kv_dtype_name, cc.block_size, arch.num_layers, arch.num_kv_heads,
+                           arch.head_dim, mac_key=load_mac_key())
         connector = StoreConnector(create_store(config.kv_store), codec, runner, config.kv_store_ttl_s)
     info = ModelInfo(path=str(path), fingerprint=fingerprint, vocab_size=arch.vocab_size,
                      max_model_len=max_model_len, eos_token_id=_eos_token_id(tokenizer, arch),
                      eos_token_ids=eos_ids, kv_window=arch.kv_window)
-    logger.info("kvmesh engine: %s, %d KV blocks x %d tokens, max_model_len %d",
-                path, num_blocks, cc.block_size, max_model_len)
+    logger.info("kvmesh engine: %s, %d KV blocks x %d tokens (%s), max_model_len %d",
+                path, num_blocks, cc.block_size, spec.kv_dtype_name, max_model_len)
     return EngineParts(config, tokenizer, info, arch, Executor(runner, proposer), connector)
 
 
@@ -235,7 +239,8 @@ def _build_proposer(config: EngineConfig, spec: SpeculativeConfig, path: Path, m
                 f"speculative.model: draft vocab {draft_arch.vocab_size} != target vocab "
                 f"{arch.vocab_size}; a draft must share the target's tokenizer")
     runner = ModelRunner(draft, draft_arch, config.cache.block_size, num_blocks, device,
-                         seed=mc.seed + 1, attention_backend=config.attention_backend, kernels=config.kernels)
+                         seed=mc.seed + 1, attention_backend=config.attention_backend, kernels=config.kernels,
+                         kv_quant=kvq.resolve(config.cache.kv_cache_dtype, device))
     return DraftModelProposer(runner, spec.num_speculative_tokens)
 
 

@@ -129,6 +129,17 @@ def test_bf16_stack_equals_layer_loop(model_factory, stack_calls, monkeypatch):
                                          dtype="bfloat16"), _prompts(384), stack_calls, monkeypatch)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_kv_stack_equals_layer_loop(model_factory, stack_calls, monkeypatch, dtype):
+    """An int8 KV cache: the stack quantizes each step's K / V with the loop's writer and reads
+    them with the loop's int8 kernel, so the bits are the same."""
+    torch.set_num_threads(1)
+    path = model_factory(qkv_bias=True)
+    stack_then_loop(lambda: build_engine(model=str(path), progress=False, block_size=4, num_blocks=128,
+                                         dtype=dtype, kv_cache_dtype="int8"),
+                    _prompts(384), stack_calls, monkeypatch)
+
+
 def _random_stack(t: int, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2, d: int = 8):
     g = torch.Generator().manual_seed(t)
     inter, bs, nb = 48, 4, max(16, 4 * t)
@@ -156,7 +167,7 @@ def _call_stack(a, caches):
     return torch.ops.kvmesh.decode_stack(
         a["h"], a["cos"], a["sin"], a["norms"], a["linears"], a["kinds"], a["biases"],
         [k for k, _ in caches], [v for _, v in caches], a["slots"], a["tables"], a["ctx"], a["heads"],
-        a["kv_heads"], 1e-6, a["scale"], a["skinny_rows"])
+        a["kv_heads"], 1e-6, a["scale"], a["skinny_rows"], [], [])
 
 
 @pytest.mark.parametrize("t", [1, 3, 8, 21])
@@ -183,6 +194,49 @@ def test_op_matches_the_separate_kernels(t):
     assert torch.equal(out, h)
     for (k1, v1), (k2, v2) in zip(stack_caches, caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("t", [1, 8])
+def test_int8_kv_op_matches_the_separate_kernels(t):
+    """With int8 caches (k_scales / v_scales given) the op equals quantize_kv_cache and the
+    int8 decode kernel called one by one, and leaves the same caches and scales behind."""
+    from kvmesh.layers import kv_cache as kvq
+
+    a = _random_stack(t)
+    ops = torch.ops.kvmesh
+    gemm = ops.skinny_linear if t <= a["skinny_rows"] else ops.small_linear
+
+    def int8_caches():
+        out = []
+        for k, v in a["caches"]:
+            kv = kvq.QuantizedKV(torch.zeros_like(k, dtype=torch.int8), torch.zeros_like(v, dtype=torch.int8),
+                                 torch.zeros(k.shape[:3]), torch.zeros(v.shape[:3]))
+            kvq.write(kv, k.flatten(0, 1), v.flatten(0, 1), torch.arange(k.shape[0] * k.shape[1]))
+            out.append(kv)
+        return out
+
+    caches, h = int8_caches(), a["h"]
+    for layer, kv in enumerate(caches):
+        n, w, b = a["norms"][2 * layer:], a["linears"][4 * layer:], a["biases"][4 * layer:]
+        q, k, v = ops.rope_qkv(gemm(ops.rms_norm(h, n[0], 1e-6), w[0], b[0]), a["cos"], a["sin"],
+                               a["heads"], a["kv_heads"])
+        ops.quantize_kv_cache(k, v, *kv, a["slots"])
+        o = ops.paged_decode_attention(q, kv.k, kv.v, a["tables"], a["ctx"], a["scale"], 0, kv.k_scale, kv.v_scale)
+        h, x = ops.add_rms_norm(h, gemm(o.view(t, -1), w[1], b[1]), n[1], 1e-6)
+        h = h + gemm(ops.silu_and_mul(gemm(x, w[2], b[2])), w[3], b[3])
+    stack = int8_caches()
+    out = torch.ops.kvmesh.decode_stack(
+        a["h"], a["cos"], a["sin"], a["norms"], a["linears"], a["kinds"], a["biases"], [kv.k for kv in stack],
+        [kv.v for kv in stack], a["slots"], a["tables"], a["ctx"], a["heads"], a["kv_heads"], 1e-6, a["scale"],
+        a["skinny_rows"], [kv.k_scale for kv in stack], [kv.v_scale for kv in stack])
+    assert torch.equal(out, h)
+    for ours, theirs in zip(stack, caches):
+        assert all(torch.equal(x, y) for x, y in zip(ours, theirs))
+    with pytest.raises(RuntimeError, match="one per layer each"):
+        torch.ops.kvmesh.decode_stack(
+            a["h"], a["cos"], a["sin"], a["norms"], a["linears"], a["kinds"], a["biases"], [kv.k for kv in stack],
+            [kv.v for kv in stack], a["slots"], a["tables"], a["ctx"], a["heads"], a["kv_heads"], 1e-6, a["scale"],
+            a["skinny_rows"], [stack[0].k_scale], [stack[0].v_scale])
 
 
 @pytest.mark.parametrize("change,message", [

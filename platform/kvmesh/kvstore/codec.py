@@ -3,7 +3,7 @@
     header (little endian, 48 bytes)
       magic      4s   b"KVMB"
       version    H    1
-      dtype      B    code of the tensor dtype
+      dtype      B    code of what the cache stores (DTYPE_CODES)
       _pad       B
       block_size H
       num_layers H
@@ -13,12 +13,18 @@
       length     I    payload bytes
       crc32      I    of the payload
       _reserved  4s
-    payload: K/V of all layers, (num_layers, 2, block_size, kv_heads, head_dim) in dtype
+    payload: K/V of all layers, (num_layers, 2, block_size, kv_heads, head_dim) in dtype;
+             for an 8-bit cache (int8, fp8_e4m3) per (layer, K or V) the block_size x
+             kv_heads x head_dim bytes, then their block_size x kv_heads float32 scales
+             (worker/model_runner.py KVCacheSpec)
     mac:     32 bytes, only in version 2 (authenticated) blocks
 
 A block is only ever decoded by a worker whose fingerprint, dtype and geometry all
 match; anything else (another model, a truncated or corrupted value) raises
-BlockDecodeError and the caller computes the block itself.
+BlockDecodeError and the caller computes the block itself. Workers of one model whose
+caches store different dtypes (an int8 cache beside a float one) share no keys
+(`BlockCodec.key`): neither overwrites the other's blocks in a shared store, and no block
+is ever converted between them.
 
 Authentication: with a cluster key (`KVMESH_KV_HMAC_KEY`, see `load_mac_key`) blocks are
 written as version 2 with HMAC-SHA256(key, store key || header || payload) appended, and a
@@ -47,14 +53,19 @@ VERSION_AUTHENTICATED = 2
 MAC_BYTES = 32
 MAC_KEY_ENV = "KVMESH_KV_HMAC_KEY"
 MAC_KEY_FILE_ENV = "KVMESH_KV_HMAC_KEY_FILE"
-DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3, "int8": 4, "fp8_e4m3": 5}
+# Bytes per value; an 8-bit cache adds a float32 scale per (token, KV head) row.
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1}
+QUANTIZED_DTYPES = frozenset({"int8", "fp8_e4m3"})
+_SCALE_BYTES = 4
 KEY_PREFIX = b"kvmesh:kv:v1:"
 
 
-def block_key(fingerprint: str, block_hash: bytes) -> bytes:
+def block_key(fingerprint: str, block_hash: bytes, kv_dtype: str | None = None) -> bytes:
     """Store key of a block: the fingerprint in the key keeps models apart even before
-    the header check."""
-    return KEY_PREFIX + fingerprint.encode() + b":" + block_hash.hex().encode()
+    the header check; `kv_dtype` (an 8-bit cache's) keeps its blocks apart from the float ones."""
+    middle = fingerprint.encode() + (b":" + kv_dtype.encode() if kv_dtype else b"")
+    return KEY_PREFIX + middle + b":" + block_hash.hex().encode()
 
 
 def load_mac_key(key_file: str | None = None) -> bytes | None:
@@ -86,8 +97,12 @@ class BlockCodec:
 
     @property
     def payload_bytes(self) -> int:
-        elem = 4 if self.dtype == "float32" else 2
-        return 2 * self.num_layers * self.block_size * self.kv_heads * self.head_dim * elem
+        row = self.head_dim * _ELEMENT_BYTES[self.dtype] + (_SCALE_BYTES if self.dtype in QUANTIZED_DTYPES else 0)
+        return 2 * self.num_layers * self.block_size * self.kv_heads * row
+
+    def key(self, block_hash: bytes) -> bytes:
+        """The store key of a block of this codec's model and cache dtype."""
+        return block_key(self.fingerprint, block_hash, self.dtype if self.dtype in QUANTIZED_DTYPES else None)
 
     def _mac(self, key: bytes, signed: bytes | memoryview) -> bytes:
         return hmac.new(self.mac_key, key + bytes(signed), hashlib.sha256).digest()  # type: ignore[arg-type]

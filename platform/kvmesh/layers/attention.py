@@ -1,8 +1,10 @@
 """Paged attention over a flat batch of tokens.
 
 The KV cache of one layer is a pair of tensors (K, V), each (num_blocks, block_size,
-kv_heads, head_dim). A token's KV lives at slot = block_id * block_size + offset; the
-runner passes each token's slot (`slot_mapping`) and each sequence's block table.
+kv_heads, head_dim), or with an 8-bit cache a `kv_cache.QuantizedKV` (int8 / fp8 K and V
+plus a scale per token and KV head; every backend quantizes as it writes and dequantizes as
+it reads, see layers/kv_cache.py). A token's KV lives at slot = block_id * block_size +
+offset; the runner passes each token's slot (`slot_mapping`) and each sequence's block table.
 
 Backends implement `AttentionBackend`: `build_metadata` once per step (shared by every
 layer), `forward` once per layer. `TorchAttentionBackend` is the reference that runs on
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.config import KernelConfig
+from kvmesh.layers import kv_cache as kvq
 from kvmesh.layers import native, slots
 from kvmesh.layers.triton_attention import TritonAttentionBackend
 from kvmesh.layers.triton_runtime import can_run as triton_can_run
@@ -76,7 +79,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | kvq.QuantizedKV,
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
@@ -192,24 +195,32 @@ class TorchAttentionBackend:
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D)."""
-        k_cache, v_cache = kv_cache
-        nb, bs, kvh, d = k_cache.shape
         # Write this step's K/V first: later tokens of the step (and other sequences
         # that hit blocks registered this step) read them below.
-        k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        self._write(kv_cache, k, v, meta)
         nd = meta.num_decodes
         if nd == q.shape[0] and not meta.prefills:  # an all-decode step: no scatter into `out`
-            return self._decode(q, k_cache, v_cache, meta, scale, window)
+            return self._decode(q, kv_cache, meta, scale, window)
         out = q.new_empty(q.shape)  # contiguous, whatever q's strides
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window)
-        self._prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, window)
+        self._prefill(q, k, v, kv_cache, meta, scale, out, window)
         return out
 
-    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out,
+    def _write(self, kv_cache, k, v, meta: AttentionMetadata) -> None:
+        """This step's K/V rows into their slots (quantized for an 8-bit cache)."""
+        if isinstance(kv_cache, kvq.QuantizedKV):
+            kvq.write(kv_cache, k, v, meta.slot_mapping)
+            return
+        k_cache, v_cache = kv_cache
+        nb, bs, kvh, d = k_cache.shape
+        k_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(nb * bs, kvh, d).index_copy_(0, meta.slot_mapping, v)
+
+    def _prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out,
                  window: int | None = None) -> None:
         """Attention of the prefill chunks' queries, written into their rows of `out`."""
+        k_cache, v_cache, k_scale, v_scale = kvq.unpack(kv_cache)
         group = q.shape[1] // k_cache.shape[2]
         for s, (table, mask, k0) in zip(meta.prefills, self._prefill_plan(meta, window)):
             sl = slice(s.q_start, s.q_start + s.q_len)
@@ -217,12 +228,20 @@ class TorchAttentionBackend:
             # query head; 3-D inputs or enable_gqa fall back to its math path (2.7x slower
             # on a 384-token prefill here).
             qs = q[sl].transpose(0, 1)[None]
-            if table is None:
+            if table is None and k_scale is None:
                 ks, vs = k[sl], v[sl]  # (L, KVH, D)
-            else:
+            elif table is None:  # an 8-bit cache: the chunk's own rows as stored, like any other
+                nb, bs, kvh, d = k_cache.shape
+                rows = meta.slot_mapping[sl]
+                ks = kvq.gather(k_cache.view(nb * bs, kvh, d), k_scale.view(nb * bs, kvh), rows, q.dtype)
+                vs = kvq.gather(v_cache.view(nb * bs, kvh, d), v_scale.view(nb * bs, kvh), rows, q.dtype)
+            elif k_scale is None:
                 # (C, KVH, D): keys at positions [k0, ctx_len)
                 ks = k_cache.index_select(0, table).flatten(0, 1)[: s.ctx_len - k0]
                 vs = v_cache.index_select(0, table).flatten(0, 1)[: s.ctx_len - k0]
+            else:  # only the chunk's blocks are dequantized, never the cache
+                ks = kvq.gather(k_cache, k_scale, table, q.dtype).flatten(0, 1)[: s.ctx_len - k0]
+                vs = kvq.gather(v_cache, v_scale, table, q.dtype).flatten(0, 1)[: s.ctx_len - k0]
             ks = ks.transpose(0, 1).repeat_interleave(group, dim=0)[None]  # (1, H, C, D)
             vs = vs.transpose(0, 1).repeat_interleave(group, dim=0)[None]
             if mask is None:
@@ -231,17 +250,22 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
             out[sl] = o[0].transpose(0, 1)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+    def _decode(self, q, kv_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None) -> torch.Tensor:
         """q: (Bd, H, D) one token per sequence -> (Bd, H, D)."""
+        k_cache, v_cache, k_scale, v_scale = kvq.unpack(kv_cache)
         nd, h, d = q.shape
         kvh = k_cache.shape[2]
         table, mask = self._decode_plan(meta, window)
         # (Bd * nblk, bs, KVH, D) -> (Bd, KVH, nblk*bs, D). index_select on whole
         # blocks is a row memcpy (4x faster here than advanced indexing).
         table = table.flatten()
-        kd = k_cache.index_select(0, table).view(nd, -1, kvh, d).transpose(1, 2)
-        vd = v_cache.index_select(0, table).view(nd, -1, kvh, d).transpose(1, 2)
+        if k_scale is None:
+            kd, vd = k_cache.index_select(0, table), v_cache.index_select(0, table)
+        else:  # the decodes' blocks dequantized as gathered
+            kd, vd = kvq.gather(k_cache, k_scale, table, q.dtype), kvq.gather(v_cache, v_scale, table, q.dtype)
+        kd = kd.view(nd, -1, kvh, d).transpose(1, 2)
+        vd = vd.view(nd, -1, kvh, d).transpose(1, 2)
         # GQA without repeating K/V: the G query heads sharing a KV head act as G
         # query rows of that head. qd: (Bd, KVH, G, D)
         qd = q.view(nd, kvh, h // kvh, d)
@@ -281,20 +305,28 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         meta.prefill_spans = torch.tensor([(s.q_start, s.q_len, s.start_pos) for s in meta.prefills],
                                           dtype=torch.int64)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out,
+    def _write(self, kv_cache, k, v, meta: AttentionMetadata) -> None:
+        if isinstance(kv_cache, kvq.QuantizedKV) and kv_cache.k.dtype == torch.int8:
+            torch.ops.kvmesh.quantize_kv_cache(k, v, *kv_cache, meta.slot_mapping)
+            return
+        super()._write(kv_cache, k, v, meta)
+
+    def _prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out,
                  window: int | None = None) -> None:
         # The kernel computes in fp32: for a bf16 model torch's SDPA (bf16 dot products on
         # AVX512-BF16 / AMX) measured faster (4 x 256 tokens: 306 vs 366 ms a prefill).
         if not self.prefill_kernel or q.dtype != torch.float32:
-            return super()._prefill(q, k, v, k_cache, v_cache, meta, scale, out, window)
+            return super()._prefill(q, k, v, kv_cache, meta, scale, out, window)
+        k_cache, v_cache, k_scale, v_scale = kvq.unpack(kv_cache)
         torch.ops.kvmesh.paged_prefill_attention(out, q, k_cache, v_cache, meta.prefill_table, meta.prefill_spans,
-                                                 scale, window or 0)
+                                                 scale, window or 0, k_scale, v_scale)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+    def _decode(self, q, kv_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None) -> torch.Tensor:
+        k_cache, v_cache, k_scale, v_scale = kvq.unpack(kv_cache)
         return torch.ops.kvmesh.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_table, meta.decode_context_lens, scale, window or 0
-        )
+            q, k_cache, v_cache, meta.decode_block_table, meta.decode_context_lens, scale, window or 0,
+            k_scale, v_scale)
 
 
 BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuPagedAttentionBackend}

@@ -31,6 +31,7 @@ import torch
 
 from kvmesh.layers import lora, op
 from kvmesh.layers.attention import AttentionMetadata
+from kvmesh.layers.kv_cache import QuantizedKV
 from kvmesh.layers.linear import SKINNY_KERNEL_ROWS, SMALL_GEMM_ROWS, STACK_DENSE
 from kvmesh.layers.norm import RMSNorm
 
@@ -71,15 +72,18 @@ class DecodeStack:
         self._generation = -1
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | list[QuantizedKV], meta: AttentionMetadata,
                  backend) -> torch.Tensor | None:
         args = self.step_args(h, meta, backend)
         if args is None:
             return None
+        quantized = isinstance(kv_caches[0], QuantizedKV)  # an int8 cache: its scales ride along
         return torch.ops.kvmesh.decode_stack(
             h, cos, sin, args.norms, args.tensors, args.kinds, args.biases, [kv[0] for kv in kv_caches],
             [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_block_table, meta.decode_context_lens,
-            self.num_heads, self.num_kv_heads, self.eps, self.scale, SKINNY_KERNEL_ROWS, args.windows)
+            self.num_heads, self.num_kv_heads, self.eps, self.scale, SKINNY_KERNEL_ROWS,
+            [kv.k_scale for kv in kv_caches] if quantized else [], [kv.v_scale for kv in kv_caches] if quantized else [],
+            args.windows)
 
     def step_args(self, h: torch.Tensor, meta: AttentionMetadata, backend) -> StackArgs | None:
         """The gathered arguments when this step runs as the one op (see the module doc), else None."""

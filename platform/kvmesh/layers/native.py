@@ -1,6 +1,7 @@
 """kvmesh's native CPU kernels: one build of every C++ source in csrc/, one CPU probe.
 
-All kernels (paged decode and prefill attention, fused element-wise ops, the skinny and
+All kernels (paged decode and prefill attention over float or int8 KV caches, the int8 KV
+cache writer, fused element-wise ops, the skinny and
 small-batch GEMMs, the weight-only int8 / int4 GEMMs, the decode stack, the MoE experts, the
 batched multi-LoRA delta) are one torch extension, built on first use with torch's
 cpp_extension into its cache folder (~/.cache/torch_extensions; ~1 minute on 2 cores the
@@ -46,10 +47,10 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "skinny_gemm.cpp", "small_gemm.cpp",
-           "quant_gemm.cpp", "decode_stack.cpp", "moe.cpp", "lora.cpp")
+           "quant_gemm.cpp", "decode_stack.cpp", "moe.cpp", "lora.cpp", "kv_quant.cpp")
 OPS = ("paged_decode_attention", "paged_prefill_attention", "skinny_linear", "small_linear", "int8_linear",
        "int4_linear", "decode_stack", "rms_norm", "add_rms_norm", "rope_qkv", "silu_and_mul", "argmax_rows",
-       "moe_experts", "lora_sgmv")
+       "moe_experts", "lora_sgmv", "quantize_kv_cache")
 # The quantized GEMM's intrinsics (csrc/quant_gemm.cpp).
 QUANT_GEMM_FLAGS = frozenset({"avx2", "fma", "f16c"})
 ISA_CAPS = ("native", "avx2")

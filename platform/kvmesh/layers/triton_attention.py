@@ -24,6 +24,13 @@ Numerics: scores and softmax in float32; the P @ V product in the cache dtype wi
 accumulator (float32 models use IEEE float32 dots, not TF32). Rows nobody asked for (padded
 query rows, empty splits) are never stored into the output; a context of length 0 (a padded
 graph row) yields zeros, never NaN.
+
+An 8-bit cache (`kv_cache.QuantizedKV`: int8 or float8 e4m3 with a float32 scale per token
+and KV head): `_store_kv_quant` quantizes each (token, KV head) row as it stores it (the
+scheme of layers/kv_cache.py, int8 rounded to nearest even like torch.round), and the
+attention kernels (QUANT) load the 8-bit tiles, widen them and multiply by their rows'
+scales in registers, then proceed in the model's dtype as above: the cache is read at a
+quarter of float32's bytes (plus 4 per row) and never dequantized into memory.
 """
 
 from __future__ import annotations
@@ -33,13 +40,25 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvmesh.layers.kv_cache import QuantizedKV, qmax
 from kvmesh.layers.slots import slot_mapping
-from kvmesh.layers.triton_runtime import can_run, dot, next_pow2, num_sms, tl, to_dtype, triton, unavailable_reason
+from kvmesh.layers.triton_runtime import (
+    INTERPRET,
+    can_run,
+    dot,
+    next_pow2,
+    num_sms,
+    tl,
+    to_dtype,
+    triton,
+    unavailable_reason,
+)
 
 DECODE_BLOCK_N = 64
 MAX_SPLITS = 64
 
 if triton is not None:
+    _INTERPRET = tl.constexpr(INTERPRET)  # a global read inside @jit code must be a constexpr
 
     @triton.jit
     def _store_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_vt,
@@ -55,11 +74,71 @@ if triton is not None:
             tl.store(vc_ptr + slot * ROW + offs, v, mask=m)
 
     @triton.jit
-    def _decode_split(q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, o_ptr, mid_ptr, lse_ptr,
+    def _store_kv_quant(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, stride_kt, stride_kh,
+                        stride_vt, stride_vh, QMAX: tl.constexpr, INT8: tl.constexpr, D: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+        """Program (token, KV head): its K and V rows quantized into their slot, scales beside."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        kvh = tl.num_programs(1)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            offs = tl.arange(0, BLOCK_D)
+            m = offs < D
+            _quant_row(k_ptr + t * stride_kt + h * stride_kh, kc_ptr + (slot * kvh + h) * D, ks_ptr + slot * kvh + h,
+                       offs, m, QMAX, INT8)
+            _quant_row(v_ptr + t * stride_vt + h * stride_vh, vc_ptr + (slot * kvh + h) * D, vs_ptr + slot * kvh + h,
+                       offs, m, QMAX, INT8)
+
+    @triton.jit
+    def _rne(r):
+        """r rounded to the nearest integer, ties to even (torch.round's rule; a float -> int
+        cast would truncate)."""
+        f = tl.floor(r)
+        frac = r - f
+        odd = f - 2.0 * tl.floor(f * 0.5)  # 1 for an odd f: a tie goes to the even neighbour
+        return tl.where(frac > 0.5, f + 1.0, tl.where(frac < 0.5, f, f + odd))
+
+    @triton.jit
+    def _round_e4m3(r):
+        """|r| <= 448 rounded to float8 e4m3's grid, ties to even, still in float32: the
+        interpreter's own float8 cast gets carries into the exponent wrong (124.7 -> 64)."""
+        bits = r.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000  # 3 mantissa bits kept
+        normal = bits.to(tl.float32, bitcast=True)
+        sub = _rne(r * 512.0) / 512.0  # below 2^-6 the grid is 2^-9 (subnormals)
+        return tl.where(tl.abs(r) < 0.015625, sub, normal)
+
+    @triton.jit
+    def _quant_row(src, dst, scale_dst, offs, m, QMAX: tl.constexpr, INT8: tl.constexpr):
+        x = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
+        a = tl.max(tl.abs(x), 0)
+        inv = tl.where(a > 0, tl.math.div_rn(QMAX, tl.maximum(a, 1e-38)), 0.0)
+        r = tl.minimum(tl.maximum(x * inv, -QMAX), QMAX)
+        if INT8:
+            r = _rne(r)
+        elif _INTERPRET:
+            r = _round_e4m3(r)
+        tl.store(dst + offs, r.to(dst.dtype.element_ty), mask=m)
+        tl.store(scale_dst, tl.math.div_rn(a, QMAX))
+
+    @triton.jit
+    def _load_kv(c_ptr, s_ptr, row, srow, d, pm, kv_mask, QUANT: tl.constexpr, DT: tl.constexpr):
+        """A (BLOCK_N, BLOCK_D) tile of cache rows: as stored, or (QUANT) widened and scaled by
+        each row's scale (at s_ptr + srow) into the model's dtype DT."""
+        x = tl.load(c_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:
+            sc = tl.load(s_ptr + srow, mask=pm, other=0.0)
+            x = to_dtype(x.to(tl.float32) * sc[:, None], DT)
+        return x
+
+    @triton.jit
+    def _decode_split(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, o_ptr, mid_ptr, lse_ptr,
                       scale, split_len, num_splits, window,
                       stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb, stride_ot, stride_oh,
                       BS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+                      QUANT: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         s = tl.program_id(2)
@@ -82,15 +161,16 @@ if triton is not None:
             pm = pos < end
             blk = tl.load(table_ptr + b * stride_tb + pos // BS, mask=pm, other=0).to(tl.int64)
             row = blk * stride_cb + (pos % BS) * stride_ct + kvh * stride_ch
+            srow = (blk * BS + pos % BS) * tl.num_programs(1) + kvh  # the rows' scales (QUANT)
             kv_mask = pm[:, None] & dm[None, :]
-            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            k = _load_kv(kc_ptr, ks_ptr, row, srow, d, pm, kv_mask, QUANT, q_ptr.dtype.element_ty)
             sc = dot(q, tl.trans(k), IEEE)
             sc = tl.where(pm[None, :], sc * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             p = tl.exp(sc - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = _load_kv(vc_ptr, vs_ptr, row, srow, d, pm, kv_mask, QUANT, q_ptr.dtype.element_ty)
             acc = acc * alpha[:, None] + dot(to_dtype(p, v.dtype), v, IEEE)
             m_i = m_new
         empty = l_i == 0.0
@@ -123,10 +203,10 @@ if triton is not None:
         tl.store(o_ptr + b * stride_ot + h * stride_oh + d, to_dtype(out, o_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
-    def _prefill(q_ptr, kc_ptr, vc_ptr, o_ptr, table_ptr, qstart_ptr, qlen_ptr, startpos_ptr, scale, window,
-                 stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb, stride_ot, stride_oh,
+    def _prefill(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, o_ptr, table_ptr, qstart_ptr, qlen_ptr, startpos_ptr, scale,
+                 window, stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb, stride_ot, stride_oh,
                  BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr):
         p = tl.program_id(0)
         h = tl.program_id(1)
         mt = tl.program_id(2)
@@ -152,8 +232,9 @@ if triton is not None:
                 pm = (pos < hi) & (pos >= lo)
                 blk = tl.load(table_ptr + p * stride_tb + pos // BS, mask=pm, other=0).to(tl.int64)
                 row = blk * stride_cb + (pos % BS) * stride_ct + kvh * stride_ch
+                srow = (blk * BS + pos % BS) * (tl.num_programs(1) // G) + kvh
                 kv_mask = pm[:, None] & dm[None, :]
-                k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                k = _load_kv(kc_ptr, ks_ptr, row, srow, d, pm, kv_mask, QUANT, q_ptr.dtype.element_ty)
                 sc = dot(q, tl.trans(k), IEEE)
                 ok = pm[None, :] & (pos[None, :] <= qpos[:, None]) & (
                     (pos[None, :] > qpos[:, None] - window) | (window <= 0))
@@ -162,7 +243,7 @@ if triton is not None:
                 pr = tl.exp(sc - m_new[:, None])
                 alpha = tl.exp(m_i - m_new)
                 l_i = l_i * alpha + tl.sum(pr, 1)
-                v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                v = _load_kv(vc_ptr, vs_ptr, row, srow, d, pm, kv_mask, QUANT, q_ptr.dtype.element_ty)
                 acc = acc * alpha[:, None] + dot(to_dtype(pr, v.dtype), v, IEEE)
                 m_i = m_new
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -259,7 +340,10 @@ class TritonAttentionBackend:
                 window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """q: (T, H, D); k, v: (T, KVH, D) -> (T, H, D), into `out` when given. `window`:
         a sliding-window layer's window (None: full attention)."""
-        k_cache, v_cache = kv_cache
+        quant = isinstance(kv_cache, QuantizedKV)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        # (an unused pointer for a float cache: QUANT is off and the kernels never read it)
+        k_scale, v_scale = (kv_cache.k_scale, kv_cache.v_scale) if quant else (k_cache, v_cache)
         t, h, d = q.shape
         nb, bs, kvh, _ = k_cache.shape
         if k.stride(-1) != 1 or k.stride(-2) != d or v.stride(-1) != 1 or v.stride(-2) != d:
@@ -267,8 +351,13 @@ class TritonAttentionBackend:
         if q.stride(-1) != 1:
             q = q.contiguous()
         row = kvh * d
-        _store_kv[(t,)](k, v, k_cache, v_cache, meta.slot_mapping, k.stride(0), v.stride(0),
-                        ROW=row, BLOCK=next_pow2(row))
+        if quant:
+            _store_kv_quant[(t, kvh)](k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping, k.stride(0),
+                                      k.stride(1), v.stride(0), v.stride(1), QMAX=qmax(k_cache.dtype),
+                                      INT8=k_cache.dtype == torch.int8, D=d, BLOCK_D=next_pow2(d))
+        else:
+            _store_kv[(t,)](k, v, k_cache, v_cache, meta.slot_mapping, k.stride(0), v.stride(0),
+                            ROW=row, BLOCK=next_pow2(row))
         out = torch.empty_like(q) if out is None else out
         ieee = q.dtype == torch.float32
         block_d = max(next_pow2(d), 16)
@@ -289,11 +378,11 @@ class TritonAttentionBackend:
             else:
                 mid = lse = out  # unused: the kernel writes the output directly
             _decode_split[(nd, kvh, s)](
-                q, k_cache, v_cache, meta.decode_block_table, meta.decode_context_lens, out, mid, lse,
+                q, k_cache, v_cache, k_scale, v_scale, meta.decode_block_table, meta.decode_context_lens, out, mid, lse,
                 scale, split_len, s, win, q.stride(0), q.stride(1), *strides,
                 meta.decode_block_table.stride(0), out.stride(0), out.stride(1),
                 BS=bs, G=g, G_PAD=max(next_pow2(g), 16), D=d, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N,
-                DIRECT=s == 1, IEEE=ieee)
+                DIRECT=s == 1, IEEE=ieee, QUANT=quant)
             if s > 1:
                 _decode_reduce[(nd, h)](mid, lse, out, s, out.stride(0), out.stride(1),
                                         D=d, BLOCK_D=block_d, S_PAD=max(next_pow2(s), 2))
@@ -302,8 +391,9 @@ class TritonAttentionBackend:
             block_m = min(block_m, max(next_pow2(meta.max_prefill_len), 16))
             grid = (meta.num_prefills, h, -(-meta.max_prefill_len // block_m))
             _prefill[grid](
-                q, k_cache, v_cache, out, meta.prefill_block_table, meta.prefill_q_start, meta.prefill_q_len,
+                q, k_cache, v_cache, k_scale, v_scale, out, meta.prefill_block_table, meta.prefill_q_start,
+                meta.prefill_q_len,
                 meta.prefill_start_pos, scale, win, q.stride(0), q.stride(1), *strides,
                 meta.prefill_block_table.stride(0), out.stride(0), out.stride(1),
-                BS=bs, G=h // kvh, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32, IEEE=ieee)
+                BS=bs, G=h // kvh, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=32, IEEE=ieee, QUANT=quant)
         return out

@@ -8,7 +8,7 @@ Protocol (fields 60-69 of worker.proto):
 2. The prefill worker picks a transport (`choose_transport`: CUDA IPC when both share a
    node, else NCCL when both have it, else none). With one, it gathers the held blocks
    into a slot of its staging buffer (one contiguous device buffer, exported once) in the
-   wire layout (num_layers, 2, n, block_size, kv_heads, head_dim), computes
+   wire layout (num_layers, 2, n, *block_shape; kv_transfer.py), computes
    `device_checksum` on the device, and answers with a single KVChunk: the layout and a
    GpuKVHandle (where, how many bytes, checksum; the IPC handle or the NCCL unique id), no
    data; then it pushes the region (NCCL; IPC: nothing, the puller reads in place). The
@@ -38,7 +38,7 @@ import torch
 
 from kvmesh._proto import worker_pb2, worker_pb2_grpc
 from kvmesh.errors import KVTransferError
-from kvmesh.worker.kv_transfer import KVAssembler, PulledKV, make_layout, pull_kv
+from kvmesh.worker.kv_transfer import KVAssembler, PulledKV, check_layout, make_layout, pull_kv
 from kvmesh.worker.nccl_transport import NCCL, NcclTransport, nccl_available
 
 try:
@@ -230,7 +230,7 @@ class GpuKVSource:
         offset = self.slots.allocate(request.transfer_id, nbytes)
         if offset is None:
             return None
-        kv = self.runner.read_blocks(block_ids)  # (L, 2, n, bs, kvh, d), contiguous copy
+        kv = self.runner.read_blocks(block_ids)  # (L, 2, n, *block_shape), contiguous copy
         region = self.buffer[offset: offset + nbytes]
         region.copy_(kv.view(torch.uint8).flatten())
         checksum = device_checksum(region)  # synchronizes: the bytes are in place when we answer
@@ -274,12 +274,7 @@ class GpuKVSink:
             raise KVTransferError("GPU pull answered without a GpuKVHandle and layout")
         gpu, layout = chunk.gpu, chunk.layout
         spec = self.runner.spec
-        if layout.model_fingerprint != fingerprint:
-            raise KVTransferError("source worker serves a different model (fingerprint mismatch)")
-        ours = (spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        theirs = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        if ours != theirs:
-            raise KVTransferError(f"KV layout mismatch: ours {ours}, source {theirs}")
+        check_layout(spec, layout, fingerprint)
         transport = self.transports.get(gpu.transport)
         if transport is None:
             raise KVTransferError(f"source chose transport {gpu.transport!r}, we offered {list(self.transports)}")
@@ -292,8 +287,7 @@ class GpuKVSink:
             raise KVTransferError(f"{gpu.transport} transfer failed: {exc}") from exc
         if device_checksum(local) != gpu.checksum:
             raise KVTransferError("GPU KV transfer failed its checksum")
-        kv = local.view(spec.dtype).view(spec.num_layers, 2, layout.num_blocks, spec.block_size,
-                                         spec.num_kv_heads, spec.head_dim)
+        kv = local.view(spec.wire_dtype).view(spec.num_layers, 2, layout.num_blocks, *spec.block_shape)
         return PulledKV(kv, layout.num_tokens, gpu.num_bytes)
 
 

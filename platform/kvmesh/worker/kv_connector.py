@@ -18,14 +18,14 @@ from kvmesh.engine.hashing import block_hashes
 from kvmesh.engine.outputs import SchedulerOutput
 from kvmesh.engine.request import Request
 from kvmesh.kvstore.base import KVStore
-from kvmesh.kvstore.codec import BlockCodec, BlockDecodeError, block_key
+from kvmesh.kvstore.codec import BlockCodec, BlockDecodeError
 from kvmesh.worker.host_staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
 
 def block_to_bytes(block: torch.Tensor) -> bytes:
-    """(layers, 2, bs, kvh, d) tensor -> raw bytes (any dtype, incl. bfloat16)."""
+    """(layers, 2, *block_shape) tensor -> raw bytes (any dtype, incl. bfloat16)."""
     return block.contiguous().view(torch.uint8).numpy().tobytes()
 
 
@@ -41,8 +41,9 @@ class StoreConnector:
         self.store, self.codec, self.runner = store, codec, runner
         self.ttl_s = ttl_s
         self.block_size = codec.block_size
-        self.shape = (codec.num_layers, 2, codec.block_size, codec.kv_heads, codec.head_dim)
-        self.dtype = runner.dtype
+        # One block as read_blocks gives it (an 8-bit cache's: bytes, scales included).
+        self.shape = (codec.num_layers, 2, *runner.spec.block_shape)
+        self.dtype = runner.spec.wire_dtype
         # Blocks read from a CUDA cache reach the host through one reused pinned buffer.
         self.host = HostStaging(pin=runner.device.type == "cuda")
         self.counters: Counter[str] = Counter()
@@ -63,7 +64,7 @@ class StoreConnector:
         if not hashes:
             return 0
         t0 = time.perf_counter()
-        keys = [block_key(self.codec.fingerprint, h) for h in hashes]
+        keys = [self.codec.key(h) for h in hashes]
         values = self.store.get_many(keys)
         self.counters["lookup_seconds"] += time.perf_counter() - t0
         self.counters["lookups"] += 1
@@ -118,7 +119,7 @@ class StoreConnector:
             # seq.block_ids is the table as scheduled: still valid for a request that
             # finished this step (its freed blocks are not reused before the next step).
             data = self.host.to_host(self.runner.read_blocks(seq.block_ids[saved:full]))
-            keys = [block_key(self.codec.fingerprint, req.block_hashes[i]) for i in range(saved, full)]
+            keys = [self.codec.key(req.block_hashes[i]) for i in range(saved, full)]
             items = [(k, self.codec.encode(block_to_bytes(data[:, :, j]), k)) for j, k in enumerate(keys)]
             self.enqueue(items, self.ttl_s)
 
@@ -131,7 +132,7 @@ class StoreConnector:
         """Write the prompt's full blocks without TTL (synchronously, after queued writes)
         and pin them in the store; returns their keys."""
         hashes = block_hashes(token_ids, self.block_size, self.codec.fingerprint)
-        keys = [block_key(self.codec.fingerprint, h) for h in hashes]
+        keys = [self.codec.key(h) for h in hashes]
         self.flush()
         if not keys:
             return keys

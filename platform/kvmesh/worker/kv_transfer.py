@@ -11,7 +11,15 @@ admission, so those prompt tokens count as computed.
 
 Wire layout: the concatenation of all chunks is a C-contiguous tensor
 (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim) in the model dtype,
-split along the block axis; each chunk carries a crc32 of its bytes.
+split along the block axis; each chunk carries a crc32 of its bytes. An 8-bit KV cache
+(int8, fp8_e4m3) sends its blocks as stored, scales included: (num_layers, 2, num_blocks,
+block bytes) (worker/model_runner.py KVCacheSpec), named by KVLayout.dtype.
+
+Both workers must store the same KV dtype: a pull from a worker with another
+`kv_cache_dtype` is refused (KVTransferError, the decode worker recomputes the prompt),
+never converted: re-quantizing float KV would make the decode worker's cache differ from
+what it computes itself, and dequantizing int8 KV into a float cache would hand it KV its
+own prefill never produces.
 """
 
 from __future__ import annotations
@@ -28,10 +36,6 @@ from kvmesh.engine.request import Request
 from kvmesh.errors import KVTransferError
 
 DEFAULT_CHUNK_BYTES = 1 << 20
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
-
 
 # -- prefill side: held transfers -------------------------------------------------
 
@@ -83,7 +87,7 @@ def make_layout(runner, num_blocks: int, num_tokens: int, fingerprint: str) -> w
     spec = runner.spec
     return worker_pb2.KVLayout(
         num_layers=spec.num_layers, block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, dtype=_DTYPE_NAMES[spec.dtype], num_blocks=num_blocks,
+        head_dim=spec.head_dim, dtype=spec.kv_dtype_name, num_blocks=num_blocks,
         num_tokens=num_tokens, model_fingerprint=fingerprint,
     )
 
@@ -92,8 +96,21 @@ def blocks_per_chunk(runner, max_chunk_bytes: int) -> int:
     return max(1, (max_chunk_bytes or DEFAULT_CHUNK_BYTES) // runner.spec.bytes_per_block)
 
 
+def check_layout(spec, layout: worker_pb2.KVLayout, fingerprint: str) -> None:
+    """Raises KVTransferError unless KV of `layout` fits a cache of `spec` for `fingerprint`."""
+    if layout.model_fingerprint != fingerprint:
+        raise KVTransferError("source worker serves a different model (fingerprint mismatch)")
+    if layout.dtype != spec.kv_dtype_name:
+        raise KVTransferError(f"KV cache dtype mismatch: the source stores {layout.dtype} KV, this worker "
+                              f"{spec.kv_dtype_name}; give prefill and decode workers the same --kv-cache-dtype")
+    ours = (spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    theirs = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    if ours != theirs:
+        raise KVTransferError(f"KV layout mismatch: ours {ours}, source {theirs}")
+
+
 def make_chunk(kv: torch.Tensor, first_block: int, layout: worker_pb2.KVLayout | None) -> worker_pb2.KVChunk:
-    """kv: (num_layers, 2, n, block_size, kv_heads, head_dim) of blocks first_block.. ."""
+    """kv: (num_layers, 2, n, *block_shape) of blocks first_block.. (KVCacheSpec)."""
     data = tensor_to_bytes(kv)
     chunk = worker_pb2.KVChunk(first_block=first_block, num_blocks=kv.shape[2], data=data,
                                crc32=zlib.crc32(data))
@@ -107,7 +124,7 @@ def make_chunk(kv: torch.Tensor, first_block: int, layout: worker_pb2.KVLayout |
 
 @dataclass
 class PulledKV:
-    kv: torch.Tensor  # (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
+    kv: torch.Tensor  # (num_layers, 2, num_blocks, *block_shape), as read_blocks gives it
     num_tokens: int
     num_bytes: int
 
@@ -118,7 +135,7 @@ class PulledKV:
 
 class KVAssembler:
     """Checks chunks as they arrive (layout, order, size, checksum) and builds the
-    (num_layers, 2, num_blocks, block_size, kv_heads, head_dim) tensor."""
+    (num_layers, 2, num_blocks, *block_shape) tensor."""
 
     def __init__(self, runner, fingerprint: str):
         self.runner = runner
@@ -142,20 +159,13 @@ class KVAssembler:
         if chunk.num_blocks < 1 or len(chunk.data) != chunk.num_blocks * spec.bytes_per_block:
             raise KVTransferError(f"KV chunk at block {chunk.first_block}: {len(chunk.data)} bytes "
                                   f"for {chunk.num_blocks} blocks")
-        flat = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(spec.dtype)
-        self._pieces.append(flat.view(spec.num_layers, 2, chunk.num_blocks, spec.block_size,
-                                      spec.num_kv_heads, spec.head_dim))
+        flat = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(spec.wire_dtype)
+        self._pieces.append(flat.view(spec.num_layers, 2, chunk.num_blocks, *spec.block_shape))
         self.num_bytes += len(chunk.data)
         self._next_block += chunk.num_blocks
 
     def _check_layout(self, layout: worker_pb2.KVLayout) -> None:
-        spec = self.runner.spec
-        if layout.model_fingerprint != self.fingerprint:
-            raise KVTransferError("source worker serves a different model (fingerprint mismatch)")
-        ours = (spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim, _DTYPE_NAMES[spec.dtype])
-        theirs = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype)
-        if ours != theirs:
-            raise KVTransferError(f"KV layout mismatch: ours {ours}, source {theirs}")
+        check_layout(self.runner.spec, layout, self.fingerprint)
 
     def result(self) -> PulledKV:
         if self.layout is None:

@@ -16,6 +16,7 @@ import torch
 
 from kvmesh.config import KernelConfig
 from kvmesh.engine.outputs import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from kvmesh.layers import kv_cache as kvq
 from kvmesh.layers.attention import SeqSpan, get_attention_backend
 from kvmesh.layers.linear import prepack_linears
 from kvmesh.layers.lora import LoRABatch, lora_batch
@@ -30,21 +31,51 @@ from kvmesh.worker.structured import GrammarMasks
 
 # EngineConfig.model.dtype -> torch dtype
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class KVCacheSpec:
+    """The KV cache's geometry and storage. `dtype` is the model's; `quant` names an 8-bit
+    cache ("int8", "fp8_e4m3": layers/kv_cache.py), None stores K/V in `dtype`.
+
+    Blocks leave the cache (`read_blocks`: the KV store, P/D transfer) as one tensor of
+    (num_layers, 2, n, *block_shape) in `wire_dtype`, split and joined along the block axis:
+    for a float cache (num_layers, 2, n, block_size, kv_heads, head_dim) in `dtype`; for an
+    8-bit one, bytes: per (layer, K or V, block) its block_size x kv_heads x head_dim values,
+    then their block_size x kv_heads float32 scales."""
+
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    quant: str | None = None
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """What the cache stores, as the wire layout and the store codec name it."""
+        return self.quant or DTYPE_NAMES[self.dtype]
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return kvq.QUANTIZED[self.quant][0] if self.quant else self.dtype
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        per_token = kvq.bytes_per_token(self.num_kv_heads, self.head_dim, self.dtype, self.quant)
+        return self.num_layers * self.block_size * per_token
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.quant else self.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        if self.quant:
+            return (self.block_size * self.num_kv_heads * (self.head_dim + kvq.SCALE_BYTES),)
+        return (self.block_size, self.num_kv_heads, self.head_dim)
 
 
 class ModelRunner:
@@ -52,13 +83,14 @@ class ModelRunner:
                  device: torch.device, seed: int = 0, attention_backend: str = "auto",
                  cuda_graph_max_batch: int = 0, max_model_len: int = 0, graph_recorder: GraphRecorder | None = None,
                  kernels: KernelConfig | None = None, grammar: GrammarMasks | None = None,
-                 lora: LoRAManager | None = None):
+                 lora: LoRAManager | None = None, kv_quant: str | None = None):
         """`cuda_graph_max_batch` > 0 captures decode graphs up to that batch (CUDA, or any
         device with a `graph_recorder`, for tests); `max_model_len` bounds their contexts.
         `grammar` masks the logits of requests with structured outputs (worker/structured.py);
         None ignores their specs (a draft model's runner: its drafts are checked by the target).
         `lora`: the adapters of a multi-LoRA engine (worker/lora.py); rows of a step run under
-        their request's adapter (layers/lora.py)."""
+        their request's adapter (layers/lora.py). `kv_quant`: an 8-bit KV cache ("int8",
+        "fp8_e4m3"; layers/kv_cache.py), None: K/V in the model's dtype."""
         self.model = model
         prepack_linears(model)  # oneDNN's weight layout now, not on the first long prompt
         self.arch = arch
@@ -66,13 +98,8 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, self.dtype)
-        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        # One (K, V) pair per layer. Zero-filled so padded reads of the null block are
-        # finite (they are masked, but NaN * 0 would still poison the output).
-        # Zero pages mapped now in the background, not written up front (worker/kv_memory.py).
-        self.kv_caches = [(zeroed_tensor(shape, self.dtype, device), zeroed_tensor(shape, self.dtype, device))
-                          for _ in range(arch.num_layers)]
+        self.spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, self.dtype, kv_quant)
+        self.kv_caches = self._allocate_kv(num_blocks, device)
         self.kv_populate = populate_in_background([t for kv in self.kv_caches for t in kv]) \
             if device.type == "cpu" else None
         self.backend = get_attention_backend(attention_backend, block_size, device, kernels)
@@ -83,6 +110,22 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_batch and (device.type == "cuda" or graph_recorder is not None):
             self._capture_graphs(cuda_graph_max_batch, max_model_len, graph_recorder)
+
+    def _allocate_kv(self, num_blocks: int, device: torch.device) -> list:
+        """One (K, V) pair per layer, or one QuantizedKV for an 8-bit cache. Zero-filled so
+        padded reads of the null block are finite (they are masked, but NaN * 0 would still
+        poison the output); a zero scale dequantizes to zero. Zero pages mapped in the
+        background, not written up front (worker/kv_memory.py)."""
+        spec = self.spec
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+        def pair():
+            return (zeroed_tensor(shape, spec.storage_dtype, device), zeroed_tensor(shape, spec.storage_dtype, device))
+
+        if spec.quant is None:
+            return [pair() for _ in range(spec.num_layers)]
+        return [kvq.QuantizedKV(*pair(), zeroed_tensor(shape[:3], torch.float32, device),
+                                zeroed_tensor(shape[:3], torch.float32, device)) for _ in range(spec.num_layers)]
 
     @torch.inference_mode()
     def _capture_graphs(self, max_batch: int, max_model_len: int, recorder: GraphRecorder | None) -> None:
@@ -205,16 +248,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of the KV of `block_ids`: (num_layers, 2, n, block_size, kv_heads, head_dim)."""
+        """A copy of the KV of `block_ids`: (num_layers, 2, n, *spec.block_shape) in
+        spec.wire_dtype (for a float cache (num_layers, 2, n, block_size, kv_heads, head_dim))."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
-                            for k, v in self.kv_caches])
+        if self.spec.quant is None:
+            return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+                                for k, v in self.kv_caches])
+        n = len(block_ids)
+
+        def packed(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:  # (n, block bytes)
+            return torch.cat((values.index_select(0, idx).view(torch.uint8).view(n, -1),
+                              scales.index_select(0, idx).view(torch.uint8).view(n, -1)), dim=1)
+
+        return torch.stack([torch.stack((packed(kv.k, kv.k_scale), packed(kv.v, kv.v_scale)))
+                            for kv in self.kv_caches])
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Inverse of read_blocks: data (num_layers, 2, n, block_size, kv_heads, head_dim)."""
+        """Inverse of read_blocks: data (num_layers, 2, n, *spec.block_shape)."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        data = data.to(device=self.device, dtype=self.dtype)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k.index_copy_(0, idx, data[layer, 0])
-            v.index_copy_(0, idx, data[layer, 1])
+        data = data.to(device=self.device, dtype=self.spec.wire_dtype)
+        if self.spec.quant is None:
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k.index_copy_(0, idx, data[layer, 0])
+                v.index_copy_(0, idx, data[layer, 1])
+            return
+        spec, n = self.spec, len(block_ids)
+        split = spec.block_size * spec.num_kv_heads * spec.head_dim  # value bytes, then the scales
+        for layer, kv in enumerate(self.kv_caches):
+            for side, values, scales in ((0, kv.k, kv.k_scale), (1, kv.v, kv.v_scale)):
+                raw = data[layer, side]
+                values.index_copy_(0, idx, raw[:, :split].contiguous().view(values.dtype).view(n, *values.shape[1:]))
+                scales.index_copy_(0, idx, raw[:, split:].contiguous().view(torch.float32).view(n, *scales.shape[1:]))

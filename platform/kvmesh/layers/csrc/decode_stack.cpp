@@ -12,6 +12,7 @@
 //   x = rms_norm(h, norms[2l])
 //   q, k, v = rope_qkv(linear(x, qkv))
 //   K[slot], V[slot] = k, v                            k_caches[l], v_caches[l]
+//     (an int8 cache: quantized, its scales into k_scales[l], v_scales[l]; kv_quant.cpp)
 //   a = linear(paged_decode_attention(q, K, V, windows[l]), o)   (windows empty: all 0, full attention)
 //   h, x = add_rms_norm(h, a, norms[2l + 1])
 //   h = h + linear(silu_and_mul(linear(x, gate_up)), down)
@@ -28,7 +29,8 @@
 // (small_gemm.cpp) instead, as `Linear` does for them; they need every linear dense and
 // float32.
 // Activations, norms, biases, dense weights and the KV cache share one dtype: float32 or
-// bfloat16 (quantized layers: float32 only).
+// bfloat16 (quantized layers: float32 only), or the caches are int8 with their scales (an
+// 8-bit KV cache, layers/kv_cache.py; k_scales / v_scales empty: a float cache).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -130,8 +132,12 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
                         const c10::List<std::optional<at::Tensor>>& biases, at::TensorList k_caches,
                         at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                        double scale, int64_t skinny_rows, at::IntArrayRef windows) {
+                        double scale, int64_t skinny_rows, at::TensorList k_scales, at::TensorList v_scales,
+                        at::IntArrayRef windows) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
+  const bool quant_kv = !k_scales.empty();
+  TORCH_CHECK(static_cast<int64_t>(k_scales.size()) == (quant_kv ? L : 0) && v_scales.size() == k_scales.size(),
+              "decode_stack: k_scales / v_scales must be empty (a float KV cache) or one per layer each");
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(norms.size()) == 2 * L &&
                   static_cast<int64_t>(linear_kinds.size()) == 4 * L &&
                   static_cast<int64_t>(biases.size()) == 4 * L,
@@ -175,9 +181,13 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
     check_linear(linears[4 * l + 2], hidden, 2 * inter, 4 * l + 2, dtype);
     check_linear(linears[4 * l + 3], inter, hidden, 4 * l + 3, dtype);
     const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
-    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.sizes() == k_caches[0].sizes() &&
-                    kc.scalar_type() == dtype && vc.scalar_type() == dtype,
-                "decode_stack: layer ", l, ": K and V caches must be contiguous, of one shape, in the hidden dtype");
+    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.sizes() == k_caches[0].sizes(),
+                "decode_stack: layer ", l, ": K and V caches must be contiguous, of one shape");
+    if (quant_kv)
+      check_kv_scales(kc, vc, k_scales[l], v_scales[l], h_in);
+    else
+      TORCH_CHECK(kc.scalar_type() == dtype && vc.scalar_type() == dtype, "decode_stack: layer ", l,
+                  ": K and V caches must be in the hidden dtype (or int8 with k_scales / v_scales)");
     for (int64_t i = 0; i < 2; ++i)
       TORCH_CHECK(norms[2 * l + i].scalar_type() == dtype && norms[2 * l + i].numel() == hidden,
                   "decode_stack: layer ", l, ": norm weights must be (hidden,) in the hidden dtype");
@@ -194,11 +204,17 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
     const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
     at::Tensor x = rms_norm(h, norms[2 * l], eps);
     auto [q, k, v] = rope_qkv(lin[0](x), cos, sin, num_heads, num_kv_heads);
-    write_kv(kc, k, slots, T);
-    write_kv(vc, v, slots, T);
     const int64_t window = windows.empty() ? 0 : windows[l];
-    at::Tensor a =
-        lin[1](paged_decode_attention(q, kc, vc, block_tables, context_lens, scale, window).view({T, q_width}));
+    at::Tensor o;
+    if (quant_kv) {
+      quantize_kv_cache(k, v, kc, vc, k_scales[l], v_scales[l], slots_t);
+      o = paged_decode_attention(q, kc, vc, block_tables, context_lens, scale, window, k_scales[l], v_scales[l]);
+    } else {
+      write_kv(kc, k, slots, T);
+      write_kv(vc, v, slots, T);
+      o = paged_decode_attention(q, kc, vc, block_tables, context_lens, scale, window);
+    }
+    at::Tensor a = lin[1](o.view({T, q_width}));
     std::tie(h, x) = add_rms_norm(h, a, norms[2 * l + 1], eps);
     h = h.add(lin[3](silu_and_mul(lin[2](x))));
   }
@@ -211,7 +227,8 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("decode_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] linear_tensors, "
         "int[] linear_kinds, Tensor?[] biases, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
-        "float eps, float scale, int skinny_rows, int[] windows=[]) -> Tensor");
+        "float eps, float scale, int skinny_rows, Tensor[] k_scales, Tensor[] v_scales, int[] windows=[]) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("decode_stack", &kvmesh_cpu::decode_stack); }

@@ -17,10 +17,19 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const std::op
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
 
 // paged_attention.cpp: one query token per sequence against its paged K/V (its last
-// `window` tokens when window > 0).
+// `window` tokens when window > 0); an int8 cache comes with its float32 scales.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t window = 0);
+                                  int64_t window = 0, const std::optional<at::Tensor>& k_scale = std::nullopt,
+                                  const std::optional<at::Tensor>& v_scale = std::nullopt);
+// The cache's dtype against q's and the scales' presence, shapes and dtype (TORCH_CHECK).
+void check_kv_scales(const at::Tensor& k_cache, const at::Tensor& v_cache, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale, const at::Tensor& q);
+
+// kv_quant.cpp: a step's K / V rows quantized into an int8 cache and its per-(token, KV
+// head) scales, at their slots (a negative slot is skipped).
+void quantize_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& slot_mapping);
 
 // fused_ops.cpp: the decoder's element-wise ops.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

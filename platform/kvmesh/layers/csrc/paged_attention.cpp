@@ -8,8 +8,10 @@
 // engine/kv_cache_manager.py), and a long context costs window-sized work.
 //
 // Shapes: q, out (B, H, D); k_cache, v_cache (num_blocks, block_size, KVH, D) contiguous,
-// float32 / bfloat16 / float16 (the model's dtype); block_tables (B, max_blocks) int64;
-// context_lens (B,) int64. G = H / KVH query heads share a KV head.
+// float32 / bfloat16 / float16 (the model's dtype), or int8 with k_scale, v_scale
+// (num_blocks, block_size, KVH) float32 beside them (an 8-bit KV cache, layers/kv_cache.py:
+// row = scale * int8 row); block_tables (B, max_blocks) int64; context_lens (B,) int64.
+// G = H / KVH query heads share a KV head.
 //
 // How it is fast (decode attention is bound by reading the cache once per step):
 // - a task is (sequence, KV head, partition of the context): the G query heads that share
@@ -30,7 +32,12 @@
 //   their log-sum-exp afterwards (flash-decoding), so every core has work;
 // - sequences whose tables start with the same blocks (a shared system prompt, hit in the
 //   prefix cache) attend those blocks in one task for all of them (cascade attention, see
-//   `shared_groups`): the prefix is read once per step, not once per sequence.
+//   `shared_groups`): the prefix is read once per step, not once per sequence;
+// - an int8 cache is read at a quarter of fp32's bytes (plus a scale per row): per chunk and
+//   KV head its rows are widened into an fp32 tile in L1 (`attend_q8`), which the G query
+//   heads of that KV head then read, so each int8 row is converted once, not G times, and no
+//   fp32 copy of the cache exists beyond that tile; the scales multiply whole vectors of
+//   scores and probabilities, and scores are reduced W at a time (`vsums`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -40,6 +47,8 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -127,8 +136,9 @@ inline float exp_chunk(float* sg, int64_t n, float m, float& sum) {
 // in `st`. Whole cache rows (every KV head of a token, contiguous) are read at once: a
 // task per KV head would touch 1/KVH of every row and waste most of each DRAM burst.
 template <typename scalar_t>
-void attend(const float* qs, const scalar_t* kp, const scalar_t* vp, const int64_t* table, int64_t bs,
-            int64_t KVH, int64_t D, int64_t G, int64_t t_begin, int64_t t_end, Partial st, float* scores) {
+void attend(const float* qs, const scalar_t* kp, const scalar_t* vp, const float*, const float*,
+            const int64_t* table, int64_t bs, int64_t KVH, int64_t D, int64_t G, int64_t t_begin, int64_t t_end,
+            Partial st, float* scores, float*) {
   const int64_t H = KVH * G;
   const int64_t nv = D / W;  // full vectors per row; D % W handled by the scalar tail below
   const int64_t tail = nv * W;
@@ -190,8 +200,9 @@ void attend(const float* qs, const scalar_t* kp, const scalar_t* vp, const int64
 // values (no accumulator load / store per token). The heads sharing a KV head run back
 // to back, so that head's slice of the chunk's rows is read from L1 after the first.
 template <typename scalar_t, int NV>
-void attend_fixed(const float* qs, const scalar_t* kp, const scalar_t* vp, const int64_t* table, int64_t bs,
-                  int64_t KVH, int64_t D, int64_t G, int64_t t_begin, int64_t t_end, Partial st, float* scores) {
+void attend_fixed(const float* qs, const scalar_t* kp, const scalar_t* vp, const float*, const float*,
+                  const int64_t* table, int64_t bs, int64_t KVH, int64_t D, int64_t G, int64_t t_begin,
+                  int64_t t_end, Partial st, float* scores, float*) {
   const int64_t H = KVH * G;
   const int64_t row_stride = KVH * D;
   reset_state(st, H, D);
@@ -239,12 +250,204 @@ void attend_fixed(const float* qs, const scalar_t* kp, const scalar_t* vp, const
   }
 }
 
+// Scores and online-softmax update of one query head `q` (pre-scaled, D floats) over a chunk
+// of n keys of an int8 cache, widened (not scaled) into fp32 rows of stride D in `kt`, their
+// scales in ks; `sg` gets the chunk's probabilities times the values' scales vs, ready for
+// P V over the widened values (the running sum l takes the probabilities themselves):
+//   score_j = ks_j (q . kt_j)          p_j v_j = (p_j vs_j) vt_j
+// Scores are computed W keys at a time and reduced together (vsums): one horizontal sum per
+// key was a third of a head's work once the cache's bytes were cut to a quarter. NV > 0:
+// D = NV * W, the query in registers; NV == 0: any D, a scalar tail. The accumulator `ag` is
+// rescaled to the new running max here; the caller adds P V.
+template <int NV>
+inline void scores_q8(const float* q, const float* kt, const float* ks, const float* vs, int64_t D, int64_t n,
+                      float& m, float& l, float* ag, float* sg) {
+  const int64_t nv = D / W, tail = nv * W;
+  const int64_t nw = W > 1 ? n / W * W : 0;  // keys scored W at a time
+  vec qr[NV > 0 ? NV : 1];
+  if constexpr (NV > 0)
+    for (int i = 0; i < NV; ++i) qr[i] = vload(q + i * W);
+  auto dot = [&](const float* k) {  // q . k as a vector of partial sums (the D % W tail apart)
+    vec a0;
+    if constexpr (NV > 0) {
+      a0 = vmul(qr[0], vload(k));
+      vec a1 = NV > 1 ? vmul(qr[1], vload(k + W)) : vzero();
+      for (int i = 2; i < NV; i += 2) {
+        a0 = vfma(qr[i], vload(k + i * W), a0);
+        if (i + 1 < NV) a1 = vfma(qr[i + 1], vload(k + (i + 1) * W), a1);
+      }
+      a0 = vadd(a0, a1);
+    } else {
+      a0 = vzero();
+      for (int64_t i = 0; i < nv; ++i) a0 = vfma(vload(q + i * W), vload(k + i * W), a0);
+    }
+    return a0;
+  };
+  auto rest = [&](const float* k) {  // the D % W tail columns
+    float e = 0.f;
+    for (int64_t d = tail; d < D; ++d) e += q[d] * k[d];
+    return e;
+  };
+  for (int64_t j0 = 0; j0 < nw; j0 += W) {
+    vec acc[W];
+    for (int64_t t = 0; t < W; ++t) acc[t] = dot(kt + (j0 + t) * D);
+    vec sc = vsums(acc);
+    if (NV == 0 && tail < D) {
+      float extra[W];
+      for (int64_t t = 0; t < W; ++t) extra[t] = rest(kt + (j0 + t) * D);
+      sc = vadd(sc, vload(extra));
+    }
+    vstore(sg + j0, vmul(sc, vload(ks + j0)));
+  }
+  for (int64_t j = nw; j < n; ++j) sg[j] = (vsum(dot(kt + j * D)) + rest(kt + j * D)) * ks[j];
+  float sum;
+  const float mx = exp_chunk(sg, n, m, sum);
+  if (mx != m) {
+    const float alpha = exp_nonpos(m - mx);  // 0 on the first chunk (m = -inf)
+    l *= alpha;
+    const vec va = vset1(alpha);
+    int64_t d = 0;
+    for (; d + W <= D; d += W) vstore(ag + d, vmul(va, vload(ag + d)));
+    for (; d < D; ++d) ag[d] *= alpha;
+    m = mx;
+  }
+  l += sum;
+  for (int64_t j = 0; j < nw; j += W) vstore(sg + j, vmul(vload(sg + j), vload(vs + j)));
+  for (int64_t j = nw; j < n; ++j) sg[j] *= vs[j];
+}
+
+// ag += sum_j sg[j] vt_j for one head over n widened value rows (row stride D) of a tile.
+template <int NV>
+inline void pv_tile_q8(const float* vt, const float* sg, int64_t D, int64_t n, float* ag) {
+  if constexpr (NV > 0) {
+    vec acc[NV];
+    for (int i = 0; i < NV; ++i) acc[i] = vload(ag + i * W);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* v = vt + j * D;
+      const vec p = vset1(sg[j]);
+      for (int i = 0; i < NV; ++i) acc[i] = vfma(p, vload(v + i * W), acc[i]);
+    }
+    for (int i = 0; i < NV; ++i) vstore(ag + i * W, acc[i]);
+  } else {
+    const int64_t nv = D / W, tail = nv * W;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* v = vt + j * D;
+      const vec p = vset1(sg[j]);
+      for (int64_t i = 0; i < nv; ++i) vstore(ag + i * W, vfma(p, vload(v + i * W), vload(ag + i * W)));
+      for (int64_t d = tail; d < D; ++d) ag[d] += sg[j] * v[d];
+    }
+  }
+}
+
+// P V for HB heads at once straight from the int8 value rows `vrows` (n of them, D = NV * W):
+// each row widened once into registers and added into the HB heads' accumulators, also held
+// in registers; head h's probabilities are sg[h * CHUNK ..], its accumulator ag[h * D ..].
+// (A tile of widened values would cost a store and HB loads per vector: on CPUs that split
+// 512-bit stores, the tile's L1 traffic was the int8 kernel's bound.)
+template <int NV, int HB>
+inline void pv_regs_q8(const int8_t* const* vrows, const float* sg, int64_t n, float* ag, int64_t D) {
+  vec acc[HB][NV];
+  for (int h = 0; h < HB; ++h)
+    for (int i = 0; i < NV; ++i) acc[h][i] = vload(ag + h * D + i * W);
+  for (int64_t j = 0; j < n; ++j) {
+    vec v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = vload(vrows[j] + i * W);
+    for (int h = 0; h < HB; ++h) {
+      const vec p = vset1(sg[h * CHUNK + j]);
+      for (int i = 0; i < NV; ++i) acc[h][i] = vfma(p, v[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int i = 0; i < NV; ++i) vstore(ag + h * D + i * W, acc[h][i]);
+}
+
+// Accumulator registers the register-held P V may use (of 32 zmm / 16 ymm), and so how many
+// heads it takes at once for a head of NV vectors; 1: the widened-value tile instead.
+constexpr int kAccRegs = W >= 16 ? 16 : 8;
+template <int NV>
+constexpr int kHeadsPerPass = NV > 0 ? kAccRegs / NV : 0;
+
+// pv_regs_q8 over heads [0, nh) in passes of up to HB (the last pass with the rest).
+template <int NV, int HB>
+inline void pv_heads_q8(const int8_t* const* vrows, const float* sg, int64_t n, float* ag, int64_t D, int64_t nh) {
+  int64_t h = 0;
+  for (; h + HB <= nh; h += HB) pv_regs_q8<NV, HB>(vrows, sg + h * CHUNK, n, ag + h * D, D);
+  if constexpr (HB > 1) {
+    if (h < nh) pv_heads_q8<NV, HB - 1>(vrows, sg + h * CHUNK, n, ag + h * D, D, nh - h);
+  }
+}
+
+// dst[0 .. D) = src[0 .. D) widened to floats (an int8 cache row).
+inline void widen_row(const int8_t* src, float* dst, int64_t D) {
+  int64_t d = 0;
+  for (; d + W <= D; d += W) vstore(dst + d, vload(src + d));
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+// `attend` over an int8 cache with per-(token, KV head) scales `ksc` / `vsc`. Per chunk the
+// rows' slots are resolved (and the next chunk's rows and scales prefetched, as
+// `chunk_rows` does); then per KV head the chunk's K rows of that head are widened into
+// `tile` (CHUNK x D floats, L1-sized) with the K and V scales beside, the G query heads
+// sharing it score the tile (`scores_q8`), and P V adds the int8 value rows for several heads
+// at once (`pv_heads_q8`; a widened tile where the registers hold too few heads). Query
+// head x reads KV head x / G, as in `attend`.
+template <int NV>
+void attend_q8(const float* qs, const int8_t* kp, const int8_t* vp, const float* ksc, const float* vsc,
+               const int64_t* table, int64_t bs, int64_t KVH, int64_t D, int64_t G, int64_t t_begin, int64_t t_end,
+               Partial st, float* scores, float* tile) {
+  constexpr int HB = kHeadsPerPass<NV>;
+  const int64_t H = KVH * G;
+  const int64_t row_stride = KVH * D;
+  reset_state(st, H, D);
+  float* kt = tile;
+  float* vt = tile + CHUNK * D;
+  float* ks = tile + 2 * CHUNK * D;
+  float* vs = ks + CHUNK;
+  int64_t slots[CHUNK];
+  const int8_t* vrows[CHUNK];
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, t_end - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = t0 + j;
+      slots[j] = table[t / bs] * bs + t % bs;
+    }
+    const int64_t n_next = std::min(CHUNK, t_end - t0 - n);
+    for (int64_t j = 0; j < n_next; ++j) {
+      const int64_t t = t0 + n + j;
+      const int64_t slot = table[t / bs] * bs + t % bs;
+      prefetch_bytes(kp + slot * row_stride, row_stride);
+      prefetch_bytes(vp + slot * row_stride, row_stride);
+      prefetch_bytes(ksc + slot * KVH, KVH * static_cast<int64_t>(sizeof(float)));
+      prefetch_bytes(vsc + slot * KVH, KVH * static_cast<int64_t>(sizeof(float)));
+    }
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t si = slots[j] * KVH + kh;
+        widen_row(kp + slots[j] * row_stride + kh * D, kt + j * D, D);
+        vrows[j] = vp + slots[j] * row_stride + kh * D;
+        ks[j] = ksc[si];
+        vs[j] = vsc[si];
+      }
+      for (int64_t g = kh * G; g < (kh + 1) * G; ++g)
+        scores_q8<NV>(qs + g * D, kt, ks, vs, D, n, st.m[g], st.l[g], st.acc + g * D, scores + g * CHUNK);
+      if constexpr (HB >= 2) {
+        pv_heads_q8<NV, HB>(vrows, scores + kh * G * CHUNK, n, st.acc + kh * G * D, D, G);
+      } else {
+        for (int64_t j = 0; j < n; ++j) widen_row(vrows[j], vt + j * D, D);
+        for (int64_t g = kh * G; g < (kh + 1) * G; ++g)
+          pv_tile_q8<NV>(vt, scores + g * CHUNK, D, n, st.acc + g * D);
+      }
+    }
+  }
+}
+
 template <typename scalar_t>
-using AttendFn = void (*)(const float*, const scalar_t*, const scalar_t*, const int64_t*, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, Partial, float*);
+using AttendFn = void (*)(const float*, const scalar_t*, const scalar_t*, const float*, const float*,
+                          const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, Partial, float*,
+                          float*);
 
 // The register-blocked `attend_fixed` when the head size is a supported multiple of the
-// vector width, else the general `attend`.
+// vector width, else the general `attend`; for an int8 cache `attend_q8` likewise.
 template <typename scalar_t>
 AttendFn<scalar_t> pick_attend(int64_t D) {
   if (W > 1 && D % W == 0) {
@@ -257,6 +460,20 @@ AttendFn<scalar_t> pick_attend(int64_t D) {
     }
   }
   return attend<scalar_t>;
+}
+
+template <>
+AttendFn<int8_t> pick_attend<int8_t>(int64_t D) {
+  if (W > 1 && D % W == 0) {
+    switch (D / W) {
+      case 2: return attend_q8<2>;
+      case 4: return attend_q8<4>;
+      case 8: return attend_q8<8>;
+      case 16: return attend_q8<16>;
+      default: break;
+    }
+  }
+  return attend_q8<0>;
 }
 
 // Sequences whose block tables begin with the same block ids share that prefix's K/V: a
@@ -312,15 +529,18 @@ std::vector<Group> shared_groups(const int64_t* tp, const int64_t* lp, int64_t B
   return groups;
 }
 
-template <typename scalar_t>
+// scalar_t: the queries' and outputs' dtype; cache_t: the cache's (scalar_t, or int8_t with
+// scales ksc / vsc; null for a float cache).
+template <typename scalar_t, typename cache_t>
 void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                   const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window) {
+                   const float* ksc, const float* vsc, const at::Tensor& tables, const at::Tensor& lens, double scale,
+                   int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = kc.size(1), KVH = kc.size(2), G = H / KVH;
   const int64_t max_blocks = tables.size(1);
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = kc.data_ptr<scalar_t>();
-  const scalar_t* vp = vc.data_ptr<scalar_t>();
+  const cache_t* kp = kc.data_ptr<cache_t>();
+  const cache_t* vp = vc.data_ptr<cache_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
@@ -384,12 +604,13 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   const int64_t slot = H * (2 + D), slots = groups.empty() ? parts : 2 * parts;
   std::vector<float> state(B * slots * slot, 0.f);
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
-  const AttendFn<scalar_t> attend_fn = pick_attend<scalar_t>(D);
+  const AttendFn<cache_t> attend_fn = pick_attend<cache_t>(D);
+  const int64_t tile_size = std::is_same_v<cache_t, int8_t> ? 2 * CHUNK * (D + 1) : 0;
 
 #pragma omp parallel num_threads(std::min(threads, ntasks))
   {
     const int64_t rows_max = max_group * H;
-    std::vector<float> qs(rows_max * D), scores(rows_max * CHUNK), gstate(rows_max * (2 + D));
+    std::vector<float> qs(rows_max * D), scores(rows_max * CHUNK), gstate(rows_max * (2 + D)), tile(tile_size);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ntasks; ++i) {
       const Task& tk = tasks[i];
@@ -397,8 +618,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
         const scalar_t* qrow = qp + tk.b * H * D;
         for (int64_t x = 0; x < H * D; ++x) qs[x] = static_cast<float>(qrow[x]) * fscale;
         float* s = state.data() + (tk.b * slots + tk.p) * slot;
-        attend_fn(qs.data(), kp, vp, tp + tk.b * max_blocks, bs, KVH, D, G, tk.begin, tk.end,
-                  Partial{s, s + H, s + 2 * H}, scores.data());
+        attend_fn(qs.data(), kp, vp, ksc, vsc, tp + tk.b * max_blocks, bs, KVH, D, G, tk.begin, tk.end,
+                  Partial{s, s + H, s + 2 * H}, scores.data(), tile.data());
         continue;
       }
       // The group's queries as one sequence of n x H heads, ordered (KV head, member, head
@@ -413,8 +634,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
             for (int64_t x = 0; x < D; ++x) dst[x] = static_cast<float>(src[x]) * fscale;
           }
       float* gm = gstate.data();
-      attend_fn(qs.data(), kp, vp, tp + tk.b * max_blocks, bs, KVH, D, n * G, tk.begin, tk.end,
-                Partial{gm, gm + R, gm + 2 * R}, scores.data());
+      attend_fn(qs.data(), kp, vp, ksc, vsc, tp + tk.b * max_blocks, bs, KVH, D, n * G, tk.begin, tk.end,
+                Partial{gm, gm + R, gm + 2 * R}, scores.data(), tile.data());
       for (int64_t k = 0; k < KVH; ++k)
         for (int64_t m = 0; m < n; ++m)
           for (int64_t g = 0; g < G; ++g) {
@@ -458,15 +679,34 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
 
 namespace kvmesh_cpu {
 
+void check_kv_scales(const at::Tensor& k_cache, const at::Tensor& v_cache, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale, const at::Tensor& q) {
+  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "give both k_scale and v_scale, or neither");
+  if (!k_scale.has_value()) {
+    TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+                "q and the KV cache must share a dtype (or the cache is int8 with k_scale / v_scale)");
+    return;
+  }
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar,
+              "k_scale / v_scale go with an int8 KV cache");
+  for (const at::Tensor* s : {&*k_scale, &*v_scale})
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 3 &&
+                    s->size(0) == k_cache.size(0) && s->size(1) == k_cache.size(1) && s->size(2) == k_cache.size(2),
+                "KV scales must be contiguous float32 (num_blocks, block_size, kv_heads)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "q must be float32, bfloat16 or float16");
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t window) {
+                                  int64_t window, const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the KV cache must share a head size");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV cache must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the KV cache must share a dtype");
+  check_kv_scales(k_cache, v_cache, k_scale, v_scale, q);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
   auto qc = q.contiguous();
   auto tables = block_tables.contiguous();
@@ -474,10 +714,29 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   for (int64_t b = 0; b < lens.size(0); ++b)
     TORCH_CHECK(lens.data_ptr<int64_t>()[b] >= 1, "every sequence needs at least one context token");
   auto out = at::empty_like(qc);
+  if (k_scale.has_value()) {
+    const float* ks = k_scale->data_ptr<float>();
+    const float* vs = v_scale->data_ptr<float>();
+    switch (q.scalar_type()) {
+      case at::kFloat: decode_kernel<float, int8_t>(out, qc, k_cache, v_cache, ks, vs, tables, lens, scale, window); break;
+      case at::kBFloat16:
+        decode_kernel<at::BFloat16, int8_t>(out, qc, k_cache, v_cache, ks, vs, tables, lens, scale, window);
+        break;
+      default: decode_kernel<at::Half, int8_t>(out, qc, k_cache, v_cache, ks, vs, tables, lens, scale, window); break;
+    }
+    return out;
+  }
   switch (q.scalar_type()) {
-    case at::kFloat: decode_kernel<float>(out, qc, k_cache, v_cache, tables, lens, scale, window); break;
-    case at::kBFloat16: decode_kernel<at::BFloat16>(out, qc, k_cache, v_cache, tables, lens, scale, window); break;
-    case at::kHalf: decode_kernel<at::Half>(out, qc, k_cache, v_cache, tables, lens, scale, window); break;
+    case at::kFloat:
+      decode_kernel<float, float>(out, qc, k_cache, v_cache, nullptr, nullptr, tables, lens, scale, window);
+      break;
+    case at::kBFloat16:
+      decode_kernel<at::BFloat16, at::BFloat16>(out, qc, k_cache, v_cache, nullptr, nullptr, tables, lens, scale,
+                                                window);
+      break;
+    case at::kHalf:
+      decode_kernel<at::Half, at::Half>(out, qc, k_cache, v_cache, nullptr, nullptr, tables, lens, scale, window);
+      break;
     default: TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16, not ", q.scalar_type());
   }
   return out;
@@ -487,7 +746,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(kvmesh, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_decode_attention", &kvmesh_cpu::paged_decode_attention); }

@@ -11,7 +11,8 @@
 // a query tile's window are skipped, so a long context costs window-sized work.
 //
 // Shapes: q, out (T, H, D) (only the spans' rows of out are written); k_cache, v_cache
-// (num_blocks, block_size, KVH, D) contiguous, float32 / bfloat16 / float16; block_tables
+// (num_blocks, block_size, KVH, D) contiguous, float32 / bfloat16 / float16 (q's dtype), or
+// int8 with k_scale, v_scale (num_blocks, block_size, KVH) float32 (layers/kv_cache.py); block_tables
 // (S, max_blocks) int64; spans (S, 3) int64 rows (q_start, q_len, start_pos): sequence s's
 // queries are rows [q_start, q_start + q_len) of q at positions [start_pos, start_pos +
 // q_len), and it attends its ctx = start_pos + q_len first cached tokens.
@@ -39,6 +40,9 @@
 // - tasks run dynamically scheduled, most keys first (a causal tile near the end of a long
 //   sequence costs more than one at its start).
 // Numerics: fp32 throughout (bf16 / fp16 widened on load), outputs rounded to the dtype.
+// An int8 cache: K rows are dequantized (times their scale) as they are packed, V rows widened
+// on load in the P V tile, each key's V scale folded into its column of probabilities first
+// (p v = (p s) q: one multiply per score instead of one per value).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -47,6 +51,8 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -143,16 +149,20 @@ struct Task {
   int64_t cost;
 };
 
-template <typename scalar_t>
+// scalar_t: q's and out's dtype; cache_t: the cache's (scalar_t, or int8_t with scales ksc /
+// vsc, null for a float cache).
+template <typename scalar_t, typename cache_t>
 void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                    const at::Tensor& tables, const at::Tensor& spans, double scale, int64_t window) {
+                    const float* ksc, const float* vsc, const at::Tensor& tables, const at::Tensor& spans,
+                    double scale, int64_t window) {
+  constexpr bool kQuant = std::is_same_v<cache_t, int8_t>;
   const int64_t H = q.size(1), D = q.size(2);
   const int64_t bs = kc.size(1), KVH = kc.size(2), G = H / KVH;
   const int64_t S = spans.size(0), max_blocks = tables.size(1);
   const int64_t row_stride = KVH * D;  // cache elements per token
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = kc.data_ptr<scalar_t>();
-  const scalar_t* vp = vc.data_ptr<scalar_t>();
+  const cache_t* kp = kc.data_ptr<cache_t>();
+  const cache_t* vp = vc.data_ptr<cache_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* sp = spans.data_ptr<int64_t>();
@@ -192,8 +202,14 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
       const int64_t n = std::min(NK, x.ctx - x.kbase - pc.t0);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t t = x.kbase + pc.t0 + j;
-        const scalar_t* src = kp + (table[t / bs] * bs + t % bs) * row_stride + pc.h * D;
-        for (int64_t d = 0; d < D; ++d) dst[d * NK + j] = static_cast<float>(src[d]);
+        const int64_t slot = table[t / bs] * bs + t % bs;
+        const cache_t* src = kp + slot * row_stride + pc.h * D;
+        if constexpr (kQuant) {
+          const float ks = ksc[slot * KVH + pc.h];
+          for (int64_t d = 0; d < D; ++d) dst[d * NK + j] = static_cast<float>(src[d]) * ks;
+        } else {
+          for (int64_t d = 0; d < D; ++d) dst[d * NK + j] = static_cast<float>(src[d]);
+        }
       }
       for (int64_t d = 0; d < D; ++d)
         for (int64_t j = n; j < NK; ++j) dst[d * NK + j] = 0.f;
@@ -216,7 +232,8 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> qbuf(rows_max * D), obuf(rows_max * D), sbuf(rows_max * NK), m(rows_max), l(rows_max);
-    const scalar_t* vrows[NK];
+    const cache_t* vrows[NK];
+    float vscale[NK];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ti = 0; ti < ntasks; ++ti) {
       const Task& tk = tasks[ti];
@@ -246,7 +263,9 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
         const int64_t nkc = round_up(nk, QK_C * W);  // the packed K is zero up to the tile's end
         for (int64_t n = 0; n < nk; ++n) {
           const int64_t t = k0 + n;
-          vrows[n] = vp + (table[t / bs] * bs + t % bs) * row_stride + tk.h * D;
+          const int64_t slot = table[t / bs] * bs + t % bs;
+          vrows[n] = vp + slot * row_stride + tk.h * D;
+          if constexpr (kQuant) vscale[n] = vsc[slot * KVH + tk.h];
         }
         for (int64_t r0 = 0; r0 < RP; r0 += QK_R)
           for (int64_t n0 = 0; n0 < nkc; n0 += QK_C * W)
@@ -286,6 +305,12 @@ void prefill_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor
           }
           m[r] = mx;
         }
+        if constexpr (kQuant) {  // (the sums l above are of the unscaled probabilities)
+          for (int64_t r = 0; r < RP; ++r) {
+            float* s = sbuf.data() + r * NK;
+            for (int64_t n = 0; n < nk; ++n) s[n] *= vscale[n];
+          }
+        }
         for (int64_t r0 = 0; r0 < RP; r0 += PV_R)
           pv_rows(sbuf.data() + r0 * NK, nk, vrows, obuf.data() + r0 * D, D);
       }
@@ -308,16 +333,16 @@ namespace kvmesh_cpu {
 
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& spans,
-                             double scale, int64_t window) {
+                             double scale, int64_t window, const std::optional<at::Tensor>& k_scale,
+                             const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "out must be a contiguous tensor shaped like q");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the KV cache must share a head size");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV cache must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(),
-              "q, out and the KV cache must share a dtype");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "q, out and the KV cache must share a dtype");
+  check_kv_scales(k_cache, v_cache, k_scale, v_scale, q);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && spans.scalar_type() == at::kLong, "int64 tables");
   TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && block_tables.dim() == 2 &&
                   block_tables.size(0) == spans.size(0),
@@ -333,10 +358,29 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
     TORCH_CHECK((s[3 * i + 1] + s[3 * i + 2] + bs - 1) / bs <= tables.size(1), "span ", i,
                 "'s context needs more blocks than its table has");
   }
+  if (k_scale.has_value()) {
+    const float* ks = k_scale->data_ptr<float>();
+    const float* vs = v_scale->data_ptr<float>();
+    switch (q.scalar_type()) {
+      case at::kFloat: prefill_kernel<float, int8_t>(out, qc, k_cache, v_cache, ks, vs, tables, sp, scale, window); break;
+      case at::kBFloat16:
+        prefill_kernel<at::BFloat16, int8_t>(out, qc, k_cache, v_cache, ks, vs, tables, sp, scale, window);
+        break;
+      default: prefill_kernel<at::Half, int8_t>(out, qc, k_cache, v_cache, ks, vs, tables, sp, scale, window); break;
+    }
+    return;
+  }
   switch (q.scalar_type()) {
-    case at::kFloat: prefill_kernel<float>(out, qc, k_cache, v_cache, tables, sp, scale, window); break;
-    case at::kBFloat16: prefill_kernel<at::BFloat16>(out, qc, k_cache, v_cache, tables, sp, scale, window); break;
-    case at::kHalf: prefill_kernel<at::Half>(out, qc, k_cache, v_cache, tables, sp, scale, window); break;
+    case at::kFloat:
+      prefill_kernel<float, float>(out, qc, k_cache, v_cache, nullptr, nullptr, tables, sp, scale, window);
+      break;
+    case at::kBFloat16:
+      prefill_kernel<at::BFloat16, at::BFloat16>(out, qc, k_cache, v_cache, nullptr, nullptr, tables, sp, scale,
+                                                 window);
+      break;
+    case at::kHalf:
+      prefill_kernel<at::Half, at::Half>(out, qc, k_cache, v_cache, nullptr, nullptr, tables, sp, scale, window);
+      break;
     default:
       TORCH_CHECK(false, "paged_prefill_attention supports float32, bfloat16 and float16, not ", q.scalar_type());
   }
@@ -346,7 +390,7 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor spans, float scale, int window=0) -> ()");
+        "Tensor spans, float scale, int window=0, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_prefill_attention", &kvmesh_cpu::paged_prefill_attention); }
