@@ -487,3 +487,33 @@ async def test_drift_deleted_or_edited_objects_come_back(api, operator):
 
 async def _async(value: Any) -> Any:
     return value
+
+
+# --- the Ray head's NetworkPolicy, as the operator applies it ---------------------------------------
+
+async def test_head_network_policy_applied_selects_the_head_and_admits_only_own_pods_and_kuberay(api, operator):
+    await write(api, "POST", LLMS, llmservice("chat", {"decode": {"replicas": 1}}))
+    policy = await eventually(lambda: get(api, f"{POLICIES}/chat-head"))
+    rayservice = await eventually(lambda: get(api, f"{RAYSERVICES}/chat"))
+    owner = await get(api, f"{LLMS}/chat")
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    # It selects the head pod and no worker pod.
+    assert selector.items() <= cluster["headGroupSpec"]["template"]["metadata"]["labels"].items()
+    assert not any(selector.items() <= g["template"]["metadata"]["labels"].items()
+                   for g in cluster["workerGroupSpecs"])
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    own, kuberay = policy["spec"]["ingress"]
+    # Every port to this LLMService's own pods (each of them carries the label) ...
+    assert own == {"from": [{"podSelector": {"matchLabels": {"kvmesh.dev/llmservice": "chat"}}}]}
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        assert group["template"]["metadata"]["labels"]["kvmesh.dev/llmservice"] == "chat"
+    # ... and only the dashboard / Serve ports to the KubeRay operator: never GCS 6379 or client 10001.
+    assert [p["port"] for p in kuberay["ports"]] == [8265, 8000]
+    assert kuberay["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}},
+                                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}]
+    # Another LLMService's pods are not admitted to this head.
+    await write(api, "POST", LLMS, llmservice("other", {"decode": {"replicas": 1}}))
+    other = await eventually(lambda: get(api, f"{POLICIES}/other-head"))
+    assert other["spec"]["ingress"][0]["from"] != own["from"]

@@ -92,7 +92,7 @@ def test_network_policies_admit_only_this_llmservice():
     assert "NetworkPolicy/chat-redis" not in _objs({})
 
 
-def test_ray_head_admits_its_own_pods_and_the_kuberay_operator_only():
+def test_head_network_policy_admits_its_own_pods_and_the_kuberay_operator_only():
     objs = _objs()
     head = objs["NetworkPolicy/chat-head"]
     kubernetes_validate.validate(head, "1.35.0", strict=True)
