@@ -20,11 +20,15 @@ class LLM:
     """Loads a model once and generates for whole lists of prompts with continuous batching.
 
     `LLM()` serves the embedded model; keyword arguments are EngineConfig fields
-    (model, dtype, device, max_model_len, block_size, num_blocks, max_num_seqs, ...).
+    (model, dtype, device, max_model_len, block_size, num_blocks, max_num_seqs, ...), or
+    `config=` a whole EngineConfig (what the CLI's engine flags build).
     """
 
-    def __init__(self, model: str | None = None, progress: bool = True, **kwargs):
-        self.engine = build_engine(EngineConfig.from_kwargs(model=model, **kwargs), progress=progress)
+    def __init__(self, model: str | None = None, progress: bool = True, config: EngineConfig | None = None, **kwargs):
+        if config is not None and (model is not None or kwargs):
+            raise ValueError("LLM: pass either config=EngineConfig(...) or model and EngineConfig keyword arguments")
+        config = config if config is not None else EngineConfig.from_kwargs(model=model, **kwargs)
+        self.engine = build_engine(config, progress=progress)
         self._counter = 0
 
     @property

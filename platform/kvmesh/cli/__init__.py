@@ -1,5 +1,5 @@
 """The `kvmesh` command: generate, serve (Ray or --local), worker, router, quantize, optimize, sim,
-models, warm.
+models, warm, bench.
 
 Subcommands live one per module; engine flags are generated from EngineConfig
 (cli/args.py), so every engine option is reachable from every subcommand that runs an
@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from kvmesh.cli import generate, models, processes, serve, sim, warm
+from kvmesh.cli import bench, generate, models, processes, serve, sim, warm
 from kvmesh.errors import KVMeshError
 from kvmesh.optimize.cli import add_optimize_parser
 
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_parser(sub)
     models.add_parser(sub)
     warm.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 
