@@ -1,7 +1,8 @@
 """The protocols `kvmesh bench serve` speaks, one class each, by name in BACKENDS:
 
 - `openai`: POST /v1/completions, token-id prompts, `stream: true` with
-  `stream_options.include_usage` (so token counts are the server's own);
+  `stream_options.include_usage` (so token counts are the server's own); every chunk
+  with text, or without a finish_reason, counts as a streamed message;
 - `openai-chat`: POST /v1/chat/completions, the prompt text as one user message;
 - `grpc`: kvmesh's public `LLM.Generate` stream (router or worker), token-id prompts.
 
@@ -116,8 +117,11 @@ class OpenAICompletions(Backend):
                         continue
                     msg = json.loads(line[5:])
                     usage = msg.get("usage") or usage
-                    text = "".join(self.delta_text(c) for c in msg.get("choices") or ())
-                    if text:
+                    choices = msg.get("choices") or ()
+                    text = "".join(self.delta_text(c) for c in choices)
+                    # A step's chunk may decode to no text yet (a partial UTF-8 character): it still
+                    # carried a token, unless it is only the closing finish_reason chunk.
+                    if text or any(c.get("finish_reason") is None for c in choices):
                         clock.tokens_arrived()
                         parts.append(text)
         except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as exc:
