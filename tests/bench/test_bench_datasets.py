@@ -10,10 +10,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from tiny_models import build_tokenizer
 
 from kvmesh.bench import mooncake_samples, prefix_samples, random_samples, sharegpt_samples, with_text
 from kvmesh.bench.datasets import length_range
-from tiny_models import build_tokenizer
 
 TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "mooncake_conversation_200.jsonl"
 

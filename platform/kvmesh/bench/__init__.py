@@ -7,8 +7,15 @@ and the summary of metrics.py); report.py writes JSON + markdown + PNG.
 """
 
 from kvmesh.bench.clients import BACKENDS, RequestOptions
-from kvmesh.bench.datasets import (DATASETS, Sample, mooncake_samples, prefix_samples, random_samples,
-                                   sharegpt_samples, with_text)
+from kvmesh.bench.datasets import (
+                                   DATASETS,
+                                   Sample,
+                                   mooncake_samples,
+                                   prefix_samples,
+                                   random_samples,
+                                   sharegpt_samples,
+                                   with_text,
+)
 from kvmesh.bench.loadgen import ServeConfig, ServeResult, arrival_times, run_serve, run_serve_async
 from kvmesh.bench.metrics import RequestRecord, distribution, parse_goodput, percentile, summarize
 

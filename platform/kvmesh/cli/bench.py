@@ -10,8 +10,15 @@ import time
 
 from kvmesh.bench import report
 from kvmesh.bench.clients import BACKENDS, RequestOptions
-from kvmesh.bench.datasets import (DATASETS, Sample, mooncake_samples, prefix_samples, random_samples,
-                                   sharegpt_samples, with_text)
+from kvmesh.bench.datasets import (
+    DATASETS,
+    Sample,
+    mooncake_samples,
+    prefix_samples,
+    random_samples,
+    sharegpt_samples,
+    with_text,
+)
 from kvmesh.bench.loadgen import ServeConfig, run_serve
 from kvmesh.bench.metrics import parse_goodput
 from kvmesh.bench.offline import latency_batch, run_latency, run_throughput
