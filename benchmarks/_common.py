@@ -22,6 +22,10 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# The full Mooncake conversation trace (12,031 requests, 3 MB) lives outside the repository, in the
+# shared folder next to it; benchmarks/data/ holds a 200-request sample of it.
+FULL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+SAMPLE_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_200.jsonl"
 # 1-minute load average above which the machine counts as busy (before our own threads).
 IDLE_LOAD = 0.5
 # /proc/cpuinfo flags worth recording beside CPU timings: they pick the kernels.
@@ -101,6 +105,16 @@ def cpu_flags() -> dict[str, bool]:
     """Which of CPU_FLAGS the first CPU reports (all False where /proc/cpuinfo is missing)."""
     flags = set((_cpuinfo_field("flags") or "").split())
     return {name: flag in flags for name, flag in CPU_FLAGS.items()}
+
+
+def require_trace(path: str | Path) -> Path:
+    """`path` if it is a file; else exit with what to pass instead (--trace)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"trace not found: {path}\n  pass --trace PATH: the full Mooncake conversation trace "
+                         f"(kvcache-ai/Mooncake, FAST25-release/traces/conversation_trace.jsonl), or the "
+                         f"200-request sample {SAMPLE_TRACE} for a short run")
+    return path
 
 
 # -- timing -------------------------------------------------------------------

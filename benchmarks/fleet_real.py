@@ -2,9 +2,10 @@
 round robin on `kvmesh worker` processes behind a `kvmesh router`, and beside each the
 fleet simulator's prediction for the same setup.
 
-* **Workload**: a session sample of ../shared/traces/mooncake_conversation.jsonl (every
-  request whose second prefix block id falls in 1 of `--session-every` buckets: whole
-  conversations are kept, so their turns still share prefixes), cut to `--num-requests`,
+* **Workload**: a session sample of the Mooncake trace (`--trace`; default
+  ../shared/traces/mooncake_conversation.jsonl): every request whose second prefix block
+  id falls in 1 of `--session-every` buckets (whole conversations are kept, so their turns
+  still share prefixes), cut to `--num-requests`,
   its arrival times compressed by the factor at which the fleet is `--utilization` busy
   (the simulated round-robin fleet's step seconds per worker-second, from this machine's
   calibrated step times: a faster CPU is offered more requests per second, not a lighter
@@ -55,11 +56,10 @@ from kvmesh.sim.fleet import FleetConfig
 from kvmesh.sim.profile import load_profile
 from kvmesh.sim.trace import TRACE_BLOCK_SIZE, TraceRequest, block_tokens, load_trace
 
-from _common import check_idle, loadavg, md_table, wait_for_idle, write_results
+from _common import FULL_TRACE, check_idle, loadavg, md_table, require_trace, wait_for_idle, write_results
 from _loadgen import Request, run_load, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 # real router picker -> the simulator policy with the same RouterConfig
 POLICIES = {"prefix-aware": ("max_score", "prefix_load"), "round-robin": ("round_robin", "round_robin")}
 
@@ -271,7 +271,8 @@ def plot(plt, report: dict):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", default=str(TRACE))
+    p.add_argument("--trace", default=str(FULL_TRACE),
+                   help="Mooncake-format JSONL (default: the shared folder's full trace)")
     p.add_argument("--model", default=None, help="checkpoint folder (default: embedded; --smoke: tiny random)")
     p.add_argument("--smoke", action="store_true", help="tiny model, 20 requests: checks the pipeline only")
     p.add_argument("--profile", default=None, help="`kvmesh sim calibrate` JSON (default: calibrate here first)")
@@ -310,6 +311,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    require_trace(args.trace)
     if args.wait_idle:
         print(f"waited {wait_for_idle(args.wait_idle):.0f} s for idle cores", flush=True)
     load_start = loadavg()

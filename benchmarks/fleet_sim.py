@@ -1,8 +1,8 @@
 """Routing policies, load, router replicas and SLO autoscaling on the Mooncake conversation trace, simulated.
 
 16 simulated workers (kvmesh's real scheduler, KV cache manager and prefix cache on a
-step-time profile; the real router plugins) replay the trace
-(../shared/traces/mooncake_conversation.jsonl) under each routing policy: round robin,
+step-time profile; the real router plugins) replay the trace (`--trace`; default
+../shared/traces/mooncake_conversation.jsonl) under each routing policy: round robin,
 least load, prefix affinity alone, the router's prefix + load weights (approximate
 index), the exact index fed by KV events, and an oracle that reads every cache. Then:
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -37,9 +36,8 @@ from kvmesh.sim.policies import POLICIES, describe
 from kvmesh.sim.profile import load_profile
 from kvmesh.sim.trace import diurnal, load_trace, warp
 
-from _common import RESULTS_DIR, write_results
+from _common import FULL_TRACE, RESULTS_DIR, require_trace, write_results
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 SWEEP_POLICIES = ["round_robin", "prefix_load", "precise_load", "oracle_load"]
 ROUTER_POLICIES = ["prefix_load", "precise_load"]
 SLO_TARGET = 0.9  # the SLO is a p90: met when 90% of requests are within both targets
@@ -64,7 +62,8 @@ def _bar(total: int, desc: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--trace", default=str(FULL_TRACE),
+                    help="Mooncake-format JSONL (default: the shared folder's full trace)")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--profile", default="h100-sxm-llama3-8b")
     ap.add_argument("--start-s", type=float, default=0.0)
@@ -81,6 +80,7 @@ def main() -> None:
     ap.add_argument("--no-autoscale", action="store_true")
     ap.add_argument("--out", default=str(RESULTS_DIR))
     args = ap.parse_args()
+    require_trace(args.trace)
 
     t0 = time.perf_counter()
     trace = load_trace(args.trace, args.start_s, args.duration_s, args.time_scale)

@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import numpy as np
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc, worker_pb2_grpc
+from kvmesh.bench import arrival_times, percentile
 from kvmesh.serve.local import Child, spawn, stop, wait_ready
 
 from _common import check_idle, loadavg, md_table, write_results
@@ -71,7 +71,8 @@ class Result:
 
 
 def pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
+    """The q-th percentile in milliseconds (NaN for none)."""
+    return percentile(xs, q) * 1e3
 
 
 async def one_request(stub, ids: list[int], out_tokens: int, tenant: int, timeout: float) -> Result:
@@ -100,15 +101,14 @@ async def one_request(stub, ids: list[int], out_tokens: int, tenant: int, timeou
 
 
 async def run_load(address: str, prompts: list[tuple[int, list[int]]], args) -> tuple[list[Result], float]:
-    """Poisson arrivals; returns the results and the wall time."""
-    rng = np.random.default_rng(0)
-    gaps = rng.exponential(1.0 / args.rate, len(prompts))
+    """Poisson arrivals (kvmesh.bench's schedule, seed 0); returns the results and the wall time."""
+    arrivals = arrival_times(len(prompts), args.rate, seed=0)
     async with grpc.aio.insecure_channel(address) as ch:
         stub = llm_pb2_grpc.LLMStub(ch)
         tasks = []
         t0 = time.perf_counter()
-        for (tenant, ids), gap in zip(prompts, gaps):
-            await asyncio.sleep(gap)
+        for (tenant, ids), at in zip(prompts, arrivals):
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             if time.perf_counter() - t0 > args.max_duration:
                 break
             tasks.append(asyncio.create_task(one_request(stub, ids, args.output_tokens, tenant, args.max_duration)))
