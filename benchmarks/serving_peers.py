@@ -222,10 +222,17 @@ def ratio_spread(ours: dict[int, dict], theirs: dict[int, dict], path: str) -> d
 
 
 def compare_texts(ours: dict[int, list], theirs: dict[int, list]) -> dict:
-    """Equal greedy outputs, request by request in every round both ran (None: a failed request)."""
-    pairs = [(a, b) for k in sorted(ours.keys() & theirs.keys()) for a, b in zip(ours[k], theirs[k])
-             if a is not None and b is not None]
-    return {"compared": len(pairs), "equal": sum(a == b for a, b in pairs)}
+    """Equal greedy outputs, request by request in every round both ran (None: a failed
+    request); each mismatch with the character where it starts and the texts from there."""
+    pairs = [(k, i, a, b) for k in sorted(ours.keys() & theirs.keys())
+             for i, (a, b) in enumerate(zip(ours[k], theirs[k])) if a is not None and b is not None]
+    mismatches = []
+    for k, i, a, b in pairs:
+        if a != b:
+            n = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            mismatches.append({"round": k, "request": i, "first_mismatch_char": n, "chars": [len(a), len(b)],
+                               "ours": a[n:n + 24], "theirs": b[n:n + 24]})
+    return {"compared": len(pairs), "equal": len(pairs) - len(mismatches), "mismatches": mismatches}
 
 
 def compare(data: dict, texts: dict) -> dict:

@@ -81,7 +81,10 @@ def test_ratios_are_medians_of_per_round_ratios_with_spread():
 def test_greedy_outputs_are_compared_request_by_request():
     ours = {0: ["a", "b", None], 1: ["a", "x", "c"]}
     theirs = {0: ["a", "b", "c"], 1: ["a", "b", "c"], 2: ["z"]}
-    assert sp.compare_texts(ours, theirs) == {"compared": 5, "equal": 4}
+    c = sp.compare_texts(ours, theirs)
+    assert (c["compared"], c["equal"]) == (5, 4)
+    assert c["mismatches"] == [{"round": 1, "request": 1, "first_mismatch_char": 0, "chars": [1, 1], "ours": "x",
+                                "theirs": "b"}]
 
 
 def test_report_names_rates_rounds_ratios_and_output_match():
