@@ -557,10 +557,9 @@ def grpc_page() -> str:
 
         collect_maps(fd.message_type, package)
         parts.append(f"## {fd.name}\n\n")
-        head = [loc for loc in fd.source_code_info.location if tuple(loc.path) == (12,)]  # syntax statement
-        if head and head[0].leading_detached_comments:
-            parts.append(" ".join(line.strip() for line in head[0].leading_detached_comments[0].splitlines()
-                                  if line.strip()) + "\n\n")
+        head = _comments(locations, (12,))  # the file's header comment sits on its `syntax` line
+        if head:
+            parts.append(_cell(head) + "\n\n")
         parts.append(f"Package `{package}`.\n\n")
         for si, service in enumerate(fd.service):
             parts.append(f"### service {service.name}\n\n")

@@ -33,7 +33,8 @@ def _gen_docs():
 
 
 def _doc_files() -> list[Path]:
-    return [README, BENCH_README, *sorted(DOCS.rglob("*.md"))]
+    return [README, BENCH_README, ROOT / "deploy" / "README.md", ROOT / "helm" / "kvmesh" / "README.md",
+            *sorted(DOCS.rglob("*.md"))]
 
 
 def _prose(text: str) -> str:
