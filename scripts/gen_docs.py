@@ -522,7 +522,8 @@ def _field_type(field: Any, package: str, maps: dict[str, Any]) -> str:
             key, value = maps[full]
             return f"map<{key}, {value}>"
         short = full.removeprefix(package + ".")
-        name = f"[{short}](#{short.lower().replace('.', '')})"
+        anchor = short.lower().replace(".", "") + ("-enum" if field.type == 14 else "")
+        name = f"[{short}](#{anchor})"
     if field.label == 3:
         return f"repeated {name}"
     if field.proto3_optional:
@@ -589,7 +590,7 @@ def _messages(msgs: Any, path: tuple[int, ...], locations: dict, package: str, m
             continue
         mpath = (*path, i)
         name = f"{scope}{msg.name}"
-        parts.append(f"### {name} {{#{name.lower().replace('.', '')}}}\n\n")
+        parts.append(f"### {name}\n\n")  # anchor: the name, lower case, dots dropped
         doc = _comments(locations, mpath)
         if doc:
             parts.append(_cell(doc) + "\n\n")
@@ -612,7 +613,7 @@ def _messages(msgs: Any, path: tuple[int, ...], locations: dict, package: str, m
 
 def _enum(enum: Any, path: tuple[int, ...], locations: dict, scope: str) -> list[str]:
     name = f"{scope}{enum.name}"
-    parts = [f"### {name} (enum) {{#{name.lower().replace('.', '')}}}\n\n"]
+    parts = [f"### {name} (enum)\n\n"]
     doc = _comments(locations, path)
     if doc:
         parts.append(_cell(doc) + "\n\n")
@@ -643,7 +644,7 @@ def results_page() -> str:
         parts.append(f"| [{_cell(title)}](#{_slug(f.stem)}) | `benchmarks/{_script_of(f.stem)}.py` |\n")
     parts.append("\n")
     for f in real:
-        parts.append(f"## {f.stem} {{#{_slug(f.stem)}}}\n\n")
+        parts.append(f"## {f.stem}\n\n")
         parts.append(f"`benchmarks/results/{f.name}`, written by `benchmarks/{_script_of(f.stem)}.py`.\n\n")
         parts.append(_demote(f.read_text()).strip() + "\n\n")
         png = f.with_suffix(".png")
@@ -664,7 +665,8 @@ def _title(path: Path) -> str:
 
 
 def _slug(stem: str) -> str:
-    return "result-" + stem.replace("_", "-")
+    """The heading anchor of a result section (mkdocs and GitHub alike)."""
+    return stem
 
 
 _SCRIPT_PREFIXES = ("engine_throughput", "kv_cache_dtype", "lora_kernels", "lora_throughput", "serving_peers",
