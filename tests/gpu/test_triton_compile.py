@@ -32,18 +32,28 @@ SCRIPT = textwrap.dedent('''
     for dt in ("bf16", "fp32"):
         compile_(A._store_kv, dict(k_ptr="*" + dt, v_ptr="*" + dt, kc_ptr="*" + dt, vc_ptr="*" + dt,
                                    slot_ptr="*i64", stride_kt=i32, stride_vt=i32), dict(ROW=256, BLOCK=256))
-        for direct in (True, False):
-            compile_(A._decode_split, dict(q_ptr="*" + dt, kc_ptr="*" + dt, vc_ptr="*" + dt, table_ptr="*i32",
-                                           lens_ptr="*i32", o_ptr="*" + dt, mid_ptr="*fp32", lse_ptr="*fp32",
-                                           scale="fp32", split_len=i32, num_splits=i32, window=i32, **strides),
-                     dict(BS=16, G=4, G_PAD=16, D=128, BLOCK_D=128, BLOCK_N=64, DIRECT=direct, IEEE=dt == "fp32"))
+        # the model's dtype in the cache, and the 8-bit caches (int8; fp8 e4m3 on sm_89+) with their scales
+        for cdt in (dt, "i8", "fp8e4nv"):
+            quant = cdt != dt
+            if quant:
+                compile_(A._store_kv_quant, dict(k_ptr="*" + dt, v_ptr="*" + dt, kc_ptr="*" + cdt, vc_ptr="*" + cdt,
+                                                 ks_ptr="*fp32", vs_ptr="*fp32", slot_ptr="*i64", stride_kt=i32,
+                                                 stride_kh=i32, stride_vt=i32, stride_vh=i32),
+                         dict(QMAX=127.0 if cdt == "i8" else 448.0, INT8=cdt == "i8", D=128, BLOCK_D=128))
+            cache = dict(kc_ptr="*" + cdt, vc_ptr="*" + cdt, ks_ptr="*fp32", vs_ptr="*fp32")
+            for direct in (True, False):
+                compile_(A._decode_split, dict(q_ptr="*" + dt, **cache, table_ptr="*i32",
+                                               lens_ptr="*i32", o_ptr="*" + dt, mid_ptr="*fp32", lse_ptr="*fp32",
+                                               scale="fp32", split_len=i32, num_splits=i32, window=i32, **strides),
+                         dict(BS=16, G=4, G_PAD=16, D=128, BLOCK_D=128, BLOCK_N=64, DIRECT=direct, IEEE=dt == "fp32",
+                              QUANT=quant))
+            compile_(A._prefill, dict(q_ptr="*" + dt, **cache, o_ptr="*" + dt, table_ptr="*i32",
+                                      qstart_ptr="*i32", qlen_ptr="*i32", startpos_ptr="*i32", scale="fp32",
+                                      window=i32, **strides),
+                     dict(BS=16, G=4, D=128, BLOCK_D=128, BLOCK_M=64 if dt == "bf16" else 32, BLOCK_N=32,
+                          IEEE=dt == "fp32", QUANT=quant))
         compile_(A._decode_reduce, dict(mid_ptr="*fp32", lse_ptr="*fp32", o_ptr="*" + dt, num_splits=i32,
                                         stride_ot=i32, stride_oh=i32), dict(D=128, BLOCK_D=128, S_PAD=32))
-        compile_(A._prefill, dict(q_ptr="*" + dt, kc_ptr="*" + dt, vc_ptr="*" + dt, o_ptr="*" + dt, table_ptr="*i32",
-                                  qstart_ptr="*i32", qlen_ptr="*i32", startpos_ptr="*i32", scale="fp32", window=i32,
-                                  **strides),
-                 dict(BS=16, G=4, D=128, BLOCK_D=128, BLOCK_M=64 if dt == "bf16" else 32, BLOCK_N=32,
-                      IEEE=dt == "fp32"))
         for add in (False, True):
             compile_(O._rms_norm, dict(x_ptr="*" + dt, r_ptr="*" + dt, w_ptr="*" + dt, out_ptr="*" + dt,
                                        sum_ptr="*" + dt, stride_x=i32, stride_r=i32, eps="fp32"),

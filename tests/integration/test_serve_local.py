@@ -46,7 +46,7 @@ def test_serve_local_serves_then_stops_cleanly(tiny_llama, tmp_path):
             socket.create_connection((host, int(p)), timeout=1).close()
 
 
-INTERNAL_TOKEN = "serve-local-test-token"  # worker ports refuse calls without it (README "Security")
+INTERNAL_TOKEN = "serve-local-test-token"  # worker ports refuse calls without it (docs/security.md)
 
 
 def _start_local(tiny_llama, tmp_path, *extra):

@@ -29,7 +29,7 @@ from kvmesh.layers.linear import split_linear
 from kvmesh.quant import triton_gemm
 from kvmesh.quant.primitives import dequantize_int4, dequantize_int8, unpack_int4
 
-# Rows up to which the native kernel beats dequantize + matmul (measured, see README).
+# Rows up to which the native kernel beats dequantize + matmul (measured, see benchmarks/README.md).
 NATIVE_MAX_ROWS = 32
 
 

@@ -161,7 +161,7 @@ class SecurityConfig(_Base):
 
     Only file paths live here (the config is readable in ConfigMaps and Ray's dashboard):
     the secrets themselves are files (Kubernetes Secrets mounted by the operator) or
-    environment variables (README "Security")."""
+    environment variables (docs/security.md)."""
 
     tls_cert_file: str | None = Field(
         None, description="PEM certificate chain of the public gRPC and HTTP endpoints; set with tls_key_file to "
