@@ -211,6 +211,11 @@ class KernelConfig(_Base):
         True, description="int8 / int4 layers on the native quantized GEMM for decode-sized inputs "
         "(layers/csrc/quant_gemm.cpp, AVX2); off: dequantize then multiply.",
     )
+    keep_host_memory: bool = Field(
+        True, description="CPU: keep freed activation memory in the process (glibc mallopt: no mmap for "
+        "blocks under 32 MiB, no trim of the heap) instead of handing it back to the kernel after every "
+        "step and faulting it in again on the next (worker/host_memory.py); off: glibc's defaults.",
+    )
 
 
 class EngineConfig(_Base):

@@ -67,23 +67,47 @@ def _spans(tensors: Iterable[torch.Tensor]) -> list[tuple[weakref.ref, int, int]
             for t in tensors if t.device.type == "cpu"]
 
 
+def _rounds(spans: list[tuple[weakref.ref, int, int]]) -> list[tuple[weakref.ref, int, int]]:
+    """The spans cut into (ref, start, end) pieces ordered so that every tensor advances
+    together, each round covering the same fraction of each: the cache's layers are separate
+    tensors indexed by block, and the block pool hands out low block ids first, so the pages
+    of block b in every layer are mapped before those of block b + 1 in any (populating
+    layer by layer left the last layers' pages lazy until the very end)."""
+    total = sum(end - start for _, start, end in spans)
+    rounds = max(1, -(-total // _CHUNK_BYTES))
+    pieces: list[tuple[weakref.ref, int, int]] = []
+    cuts = []
+    for ref, start, end in spans:
+        start -= start % mmap.PAGESIZE
+        step = -(-(end - start) // rounds)
+        step += -step % mmap.PAGESIZE
+        cuts.append((ref, start, end, step))
+    for i in range(rounds):
+        for ref, start, end, step in cuts:
+            a = start + i * step
+            if a < end:
+                pieces.append((ref, a, min(a + step, end)))
+    return pieces
+
+
 def _populate_spans(spans: list[tuple[weakref.ref, int, int]], duty: float) -> bool:
     madvise = _madvise()
     if madvise is None:
         return False
-    for ref, start, end in spans:
-        start -= start % mmap.PAGESIZE
-        for addr in range(start, end, _CHUNK_BYTES):
-            if ref() is None:  # the cache was dropped: its memory is gone (or someone else's)
-                break
-            began = time.monotonic()
-            # ctypes releases the GIL for the call: the engine's threads run meanwhile.
-            if madvise(addr, min(_CHUNK_BYTES, end - addr), _MADV_POPULATE_WRITE) != 0:
-                err = ctypes.get_errno()
-                logger.debug("KV cache populate stopped: %s", os.strerror(err))
-                return False
-            if duty < 1.0:
-                time.sleep((time.monotonic() - began) * (1.0 - duty) / max(duty, 1e-3))
+    began = time.monotonic()
+    done = 0
+    for ref, start, end in _rounds(spans):
+        if ref() is None:  # the cache was dropped: its memory is gone (or someone else's)
+            continue
+        # ctypes releases the GIL for the call: the engine's threads run meanwhile.
+        if madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            logger.debug("KV cache populate stopped: %s", os.strerror(err))
+            return False
+        done += end - start
+        if duty < 1.0 and done >= _CHUNK_BYTES:  # pace per chunk's worth of pages
+            time.sleep((time.monotonic() - began) * (1.0 - duty) / max(duty, 1e-3))
+            began, done = time.monotonic(), 0
     return True
 
 

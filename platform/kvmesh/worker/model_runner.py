@@ -22,6 +22,7 @@ from kvmesh.layers.linear import prepack_linears
 from kvmesh.layers.lora import LoRABatch, lora_batch
 from kvmesh.models.arch import ArchConfig
 from kvmesh.worker.cuda_graphs import DecodeGraphs, GraphRecorder
+from kvmesh.worker.host_memory import keep_freed_memory
 from kvmesh.worker.kv_memory import populate_in_background, zeroed_tensor
 from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.prompt_logprobs import compute_prompt_logprobs
@@ -92,6 +93,8 @@ class ModelRunner:
         their request's adapter (layers/lora.py). `kv_quant`: an 8-bit KV cache ("int8",
         "fp8_e4m3"; layers/kv_cache.py), None: K/V in the model's dtype."""
         self.model = model
+        if device.type == "cpu" and (kernels is None or kernels.keep_host_memory):
+            keep_freed_memory()  # activations stay mapped between steps (worker/host_memory.py)
         prepack_linears(model)  # oneDNN's weight layout now, not on the first long prompt
         self.arch = arch
         self.device = device
