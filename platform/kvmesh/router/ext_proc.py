@@ -27,7 +27,6 @@ response phases (GIE does), else until Envoy closes the stream.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 import grpc
