@@ -19,6 +19,8 @@ from kvmesh.cli.args import add_chat_args, add_engine_args, add_tls_args, chat_o
 from kvmesh.cli.vllm_args import apply_api_key
 from kvmesh.config import EngineConfig, TracingConfig
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.ext_proc import BUFFERED, FULL_DUPLEX, EndpointPickerServer
+from kvmesh.router.picker import EndpointPicker
 from kvmesh.router.registry import DnsRegistry, StaticRegistry, WorkerPool
 from kvmesh.router.server import RouterServer
 from kvmesh.rpc import run_until_signalled
@@ -204,9 +206,6 @@ def add_epp_parser(sub) -> None:
 
 
 def cmd_epp(args: argparse.Namespace) -> int:
-    from kvmesh.router.ext_proc import BUFFERED, FULL_DUPLEX, EndpointPickerServer
-    from kvmesh.router.picker import EndpointPicker
-
     _log_setup()
     if bool(args.worker) == bool(args.worker_dns):
         raise ValueError("give the workers with --worker HOST:PORT (repeatable) or --worker-dns NAME, one of them")
