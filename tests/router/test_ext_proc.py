@@ -12,16 +12,14 @@ import json
 
 import grpc
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 from tiny_models import build_tokenizer
 
+from kvmesh._proto import ext_proc_pb2 as ep
 from kvmesh._proto import worker_pb2
 from kvmesh.engine.hashing import block_hashes
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.ext_proc import BUFFERED, FULL_DUPLEX, ExternalProcessor, destination_of
+from kvmesh.router.ext_proc import BUFFERED, FULL_DUPLEX, ExternalProcessor, destination_of, process_call
 from kvmesh.router.picker import EndpointPicker, endpoint_of
 from kvmesh.router.registry import DnsRegistry, StaticRegistry, WorkerHandle, WorkerPool
 
@@ -62,9 +60,9 @@ def ep_of(addr: str) -> str:
 
 
 def headers_msg(mode=BUFFERED, path="/v1/completions", end_of_stream=False, subset=None) -> ep.ProcessingRequest:
-    hs = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in
+    hs = [ep.HeaderValue(key=k, raw_value=v.encode()) for k, v in
           ((":method", "POST"), (":path", path), ("content-type", "application/json"))]
-    req = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs),
+    req = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=ep.HeaderMap(headers=hs),
                                                               end_of_stream=end_of_stream),
                                protocol_config=ep.ProtocolConfiguration(request_body_mode=mode))
     if subset is not None:
@@ -91,11 +89,11 @@ class Picker:
 
     async def __aenter__(self):
         self.server = grpc.aio.server()
-        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.picker), self.server)
+        ExternalProcessor(self.picker).add_to(self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = ep_grpc.ExternalProcessorStub(self.channel)
+        self.process = process_call(self.channel)
         return self
 
     async def __aexit__(self, *exc):
@@ -104,7 +102,7 @@ class Picker:
 
     async def route(self, body: bytes, mode=BUFFERED, subset=None, keep_open=False):
         """One buffered request: (endpoint header, metadata endpoint, the open call if kept)."""
-        call = self.stub.Process()
+        call = self.process()
         await call.write(headers_msg(mode, subset=subset))
         first = await asyncio.wait_for(call.read(), STEP_S)
         assert first.HasField("request_headers") and not first.request_headers.response.header_mutation.set_headers
@@ -121,7 +119,7 @@ class Picker:
 
     async def refused(self, *msgs: ep.ProcessingRequest) -> ep.ImmediateResponse:
         """Send `msgs`; the last must be answered with an immediate response, then the stream ends."""
-        call = self.stub.Process()
+        call = self.process()
         for msg in msgs:
             await call.write(msg)
             duplex = msg.protocol_config.request_body_mode == FULL_DUPLEX  # headers wait for the body
@@ -217,7 +215,7 @@ def test_full_duplex_answers_after_the_last_chunk_and_streams_the_body_back(toke
 
     async def main():
         async with Picker(make_pool(handle(A), handle(B, waiting=3)), tokenizer) as p:
-            call = p.stub.Process()
+            call = p.process()
             await call.write(headers_msg(FULL_DUPLEX))
             await call.write(body_msg(body[:10], end_of_stream=False))
             await call.write(body_msg(body[10:], end_of_stream=True))
@@ -283,3 +281,32 @@ def test_subset_hint_and_no_eligible_worker_is_503(tokenizer):
 def test_dns_registry_lists_every_address_at_the_worker_port():
     assert "127.0.0.1:50061" in DnsRegistry("localhost", 50061).addresses()
     assert endpoint_of("[fd00::1]:50061", 8000) == "[fd00::1]:8000" and endpoint_of("h:1", None) == "h:1"
+
+
+# Envoy's field numbers (api/envoy/service/ext_proc/v3/external_processor.proto, config/core/v3/base.proto),
+# which kvmesh's copies (protos/kvmesh/v1/ext_proc.proto) must keep to stay wire-compatible.
+ENVOY_FIELDS = {
+    "ProcessingRequest": {"request_headers": 2, "response_headers": 3, "request_body": 4, "response_body": 5,
+                          "request_trailers": 6, "response_trailers": 7, "metadata_context": 8, "attributes": 9,
+                          "observability_mode": 10, "protocol_config": 11},
+    "ProcessingResponse": {"request_headers": 1, "response_headers": 2, "request_body": 3, "response_body": 4,
+                           "request_trailers": 5, "response_trailers": 6, "immediate_response": 7,
+                           "dynamic_metadata": 8, "request_drain": 11},
+    "HttpHeaders": {"headers": 1, "end_of_stream": 3}, "HttpBody": {"body": 1, "end_of_stream": 2},
+    "CommonResponse": {"status": 1, "header_mutation": 2, "body_mutation": 3, "trailers": 4, "clear_route_cache": 5},
+    "HeaderMutation": {"set_headers": 1, "remove_headers": 2},
+    "BodyMutation": {"body": 1, "clear_body": 2, "streamed_response": 3},
+    "StreamedBodyResponse": {"body": 1, "end_of_stream": 2},
+    "ImmediateResponse": {"status": 1, "headers": 2, "body": 3, "grpc_status": 4, "details": 5},
+    "ProtocolConfiguration": {"request_body_mode": 1, "response_body_mode": 2,
+                              "send_body_without_waiting_for_header_response": 3},
+    "HeaderValue": {"key": 1, "value": 2, "raw_value": 3},
+    "HeaderValueOption": {"header": 1, "append_action": 3, "keep_empty_value": 4},
+    "Metadata": {"filter_metadata": 1}, "HttpStatus": {"code": 1},
+}
+
+
+def test_ext_proc_messages_keep_envoys_field_numbers():
+    for name, fields in ENVOY_FIELDS.items():
+        desc = getattr(ep, name).DESCRIPTOR
+        assert {f.name: f.number for f in desc.fields} == fields, name

@@ -8,13 +8,11 @@ import asyncio
 import json
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh._proto import ext_proc_pb2 as ep
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.ext_proc import BUFFERED, EndpointPickerServer, destination_of
+from kvmesh.router.ext_proc import BUFFERED, EndpointPickerServer, destination_of, process_call
 from kvmesh.router.picker import EndpointPicker
 from kvmesh.router.registry import StaticRegistry, WorkerPool
 from kvmesh.telemetry.metrics import REGISTRY
@@ -38,9 +36,9 @@ def test_picker_server_picks_a_real_worker_and_reports_health(cluster):
                 for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
                     reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                     assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
-                call = ep_grpc.ExternalProcessorStub(ch).Process()
-                await call.write(ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(
-                    headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")]))))
+                call = process_call(ch)()
+                await call.write(ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=ep.HeaderMap(
+                    headers=[ep.HeaderValue(key=":path", raw_value=b"/v1/completions")]))))
                 assert (await asyncio.wait_for(call.read(), 5)).HasField("request_headers")
                 body = json.dumps({"model": "kvmesh", "prompt": "hello there, picker", "max_tokens": 4}).encode()
                 await call.write(ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True)))

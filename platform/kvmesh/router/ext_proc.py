@@ -19,6 +19,10 @@ Body modes (`ProcessingRequest.protocol_config`, sent by Envoy >= 1.33; else `de
     body's last chunk; then a headers response carrying the mutation and a body response
     streaming the whole body back (`streamed_response`). Response headers / body chunks are
     passed back as they come.
+The messages are kvmesh's wire-compatible copies of Envoy's (protos/kvmesh/v1/ext_proc.proto),
+served at Envoy's method path; the xds-protos package is not needed (and not wanted: it
+overwrites opentelemetry-proto's modules).
+
 The chosen worker counts one request in flight (`WorkerHandle.in_flight`, part of its load)
 from the pick until the stream ends: to the end of the response when the gateway sends
 response phases (GIE does), else until Envoy closes the stream.
@@ -30,13 +34,9 @@ import asyncio
 import logging
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from kvmesh._proto import ext_proc_pb2 as ep
 from kvmesh.router.picker import EndpointPicker, Pick, PickError
 from kvmesh.router.registry import WorkerPool
 from kvmesh.rpc import CHANNEL_OPTIONS, add_health_and_reflection, set_serving
@@ -46,23 +46,28 @@ from kvmesh.telemetry.workers import CLUSTER, pool_source
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+PROCESS_METHOD = f"/{SERVICE_NAME}/Process"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 METADATA_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
-FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+# ProcessingMode.BodySendMode values (envoy.extensions.filters.http.ext_proc.v3).
+BUFFERED = 2
+FULL_DUPLEX = 4
+OVERWRITE_IF_EXISTS_OR_ADD = 2  # HeaderValueOption.HeaderAppendAction
 MAX_BODY_BYTES = 64 << 20  # a body over this is refused (413) rather than buffered
 
 
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
+def _header(key: str, value: str) -> ep.HeaderValueOption:
+    # Overwrite: a client's own x-gateway-destination-endpoint must not survive next to the pick.
+    return ep.HeaderValueOption(header=ep.HeaderValue(key=key, raw_value=value.encode()),
+                                append_action=OVERWRITE_IF_EXISTS_OR_ADD)
 
 
 def immediate(status: int, body: bytes, details: str) -> ep.ProcessingResponse:
     """The gateway answers the client with this at once (the request goes nowhere)."""
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status), body=body, details=details[:200],
+        status=ep.HttpStatus(code=status), body=body, details=details[:200],
         headers=ep.HeaderMutation(set_headers=[_header("content-type", "application/json")])))
 
 
@@ -103,13 +108,21 @@ class _Exchange:
         self.pick: Pick | None = None
 
 
-class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
-    """The ext_proc servicer (see the module docstring)."""
+class ExternalProcessor:
+    """The ext_proc servicer (see the module docstring); `add_to(server)` registers it."""
 
     def __init__(self, picker: EndpointPicker, default_mode: int = BUFFERED, pick_timeout_s: float = 10.0):
         self.picker = picker
         self.default_mode = default_mode
         self.pick_timeout_s = pick_timeout_s
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Serve Process at Envoy's path (the messages are kvmesh's wire-compatible copies,
+        protos/kvmesh/v1/ext_proc.proto)."""
+        handler = grpc.stream_stream_rpc_method_handler(
+            self.Process, request_deserializer=ep.ProcessingRequest.FromString,
+            response_serializer=ep.ProcessingResponse.SerializeToString)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"Process": handler}),))
 
     async def Process(self, request_iterator, context):
         x = _Exchange(self.default_mode)
@@ -194,6 +207,12 @@ def destination_of(resp: ep.ProcessingResponse) -> tuple[str | None, str | None]
     return None, None
 
 
+def process_call(channel: grpc.aio.Channel):
+    """The client side of Process (tests, debugging): `process_call(channel)()` opens a stream."""
+    return channel.stream_stream(PROCESS_METHOD, request_serializer=ep.ProcessingRequest.SerializeToString,
+                                 response_deserializer=ep.ProcessingResponse.FromString)
+
+
 class EndpointPickerServer:
     """A started picker: the ext_proc service, gRPC health (overall, `liveness`, `readiness`
     and the ext_proc service, as the EPP protocol names them; NOT_SERVING while no worker
@@ -209,7 +228,7 @@ class EndpointPickerServer:
         self.host, self.metrics_port, self.stats_interval_s = host, metrics_port, stats_interval_s
         self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
         self.servicer = ExternalProcessor(picker, default_mode)
-        ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self.server)
+        self.servicer.add_to(self.server)
         self.health = add_health_and_reflection(self.server, self.HEALTH)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
