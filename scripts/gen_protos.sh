@@ -16,7 +16,7 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 $PY -m grpc_tools.protoc -I protos \
     --python_out="$TMP" --grpc_python_out="$TMP" --pyi_out="$TMP" \
-    protos/kvmesh/v1/llm.proto protos/kvmesh/v1/worker.proto
+    protos/kvmesh/v1/llm.proto protos/kvmesh/v1/worker.proto protos/kvmesh/v1/ext_proc.proto
 mkdir -p "$OUT"
 for f in "$TMP"/kvmesh/v1/*.py "$TMP"/kvmesh/v1/*.pyi; do
     sed -E 's/^from kvmesh\.v1 import /from . import /' "$f" > "$OUT/$(basename "$f")"

@@ -192,6 +192,19 @@ def test_metrics_endpoint(router):
     text = httpx.get(f"{base}/metrics", timeout=10).text
     assert re.search(r"^kvmesh_time_to_first_token_seconds_count\{.*\} [1-9]", text, re.M), text[:2000]
     assert "kvmesh_kv_blocks_free" in text
+    # vLLM's names of the same series (telemetry/vllm.py), from the same observations.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+    def total(name, **labels):
+        return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+    assert total("vllm:time_to_first_token_seconds_count", model_name="kvmesh") == total(
+        "kvmesh_time_to_first_token_seconds_count", model="kvmesh") > 0
+    assert total("vllm:generation_tokens_total", model_name="kvmesh") == total(
+        "kvmesh_request_generation_tokens_total", model="kvmesh")
+    assert any(s.name == "vllm:kv_cache_usage_perc" and s.labels["model_name"] == "kvmesh" for s in samples)
 
 
 def test_prompt_compression_option(router):

@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     processes.add_worker_parser(sub)
     processes.add_router_parser(sub)
+    processes.add_epp_parser(sub)
     generate.add_quantize_parser(sub)
     add_optimize_parser(sub)
     sim.add_parser(sub)

@@ -19,9 +19,12 @@ from kvmesh.cli.args import add_chat_args, add_engine_args, add_tls_args, chat_o
 from kvmesh.cli.vllm_args import apply_api_key
 from kvmesh.config import EngineConfig, TracingConfig
 from kvmesh.router.config import RouterConfig
-from kvmesh.router.registry import StaticRegistry
+from kvmesh.router.ext_proc import BUFFERED, FULL_DUPLEX, EndpointPickerServer
+from kvmesh.router.picker import EndpointPicker
+from kvmesh.router.registry import DnsRegistry, StaticRegistry, WorkerPool
 from kvmesh.router.server import RouterServer
 from kvmesh.rpc import run_until_signalled
+from kvmesh.rpc.internal_auth import InternalAuth
 from kvmesh.rpc.tls import TLSFiles
 from kvmesh.serve.openai import HTTPServer, InProcessBackend, create_app, start_http
 from kvmesh.telemetry.metrics import exposition
@@ -169,6 +172,61 @@ def cmd_router(args: argparse.Namespace) -> int:
             await router.stop()
 
         await run_until_signalled(start, stop)
+
+    asyncio.run(run())
+    return 0
+
+
+# -- endpoint picker --------------------------------------------------------------------------
+
+
+def add_epp_parser(sub) -> None:
+    p = sub.add_parser("epp", help="run the router's placement as a Gateway API Inference Extension endpoint "
+                                   "picker (Envoy ext_proc) for an InferencePool of kvmesh pods")
+    p.add_argument("--worker", action="append", default=[], help="worker gRPC address HOST:PORT (repeatable)")
+    p.add_argument("--worker-dns", default=None, metavar="NAME",
+                   help="DNS name listing the workers (a headless Service), with --worker-port")
+    p.add_argument("--worker-port", type=int, default=50061, help="the workers' gRPC port (with --worker-dns)")
+    p.add_argument("--target-port", type=int, default=None,
+                   help="the pool's targetPort: the OpenAI HTTP port on each worker's pod (default: the worker's "
+                        "own port)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=9002, help="ext_proc gRPC port (GIE's default 9002)")
+    p.add_argument("--model", default=None, help="checkpoint folder, for the tokenizer (default: embedded model)")
+    p.add_argument("--model-id", "--served-model-name", dest="model_id", default="kvmesh",
+                   help="the served model's name (requests' `model` must be it or a served LoRA adapter)")
+    p.add_argument("--config-json", default=None, help="RouterConfig as JSON (filters, scorers, picker)")
+    p.add_argument("--body-mode", choices=["buffered", "full-duplex"], default="full-duplex",
+                   help="ext_proc request body mode when Envoy does not say (protocol_config)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
+    p.add_argument("--min-workers", type=int, default=1, help="workers to wait for before serving")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module_arg, default=[], metavar="NAME=PATH",
+                   help="LoRA adapters requests may name (as the pods' routers serve them)")
+    p.set_defaults(func=cmd_epp)
+
+
+def cmd_epp(args: argparse.Namespace) -> int:
+    _log_setup()
+    if bool(args.worker) == bool(args.worker_dns):
+        raise ValueError("give the workers with --worker HOST:PORT (repeatable) or --worker-dns NAME, one of them")
+    registry = StaticRegistry(args.worker) if args.worker else DnsRegistry(args.worker_dns, args.worker_port)
+    config = RouterConfig(**(json.loads(args.config_json) if args.config_json else {}))
+    tokenizer = load_tokenizer(resolve_model_path(args.model, progress=False))
+    adapters = [(m["name"], m["path"]) for m in args.lora_modules]
+
+    async def run() -> None:
+        pool = WorkerPool(registry, config.affinity_capacity, config.max_block_hashes, config.stats_timeout_s,
+                          config.unhealthy_cooldown_s, kv_events=config.kv_events, auth=InternalAuth.load())
+        picker = EndpointPicker(pool, config, tokenizer, args.model_id, args.target_port, adapters)
+        server = EndpointPickerServer(pool, picker, args.host, args.port, args.metrics_port,
+                                      FULL_DUPLEX if args.body_mode == "full-duplex" else BUFFERED,
+                                      config.stats_interval_s)
+
+        async def start() -> None:
+            await server.start(wait_workers_s=600, min_workers=args.min_workers)
+            print(f"KVMESH_EPP_READY address={server.address}", flush=True)
+
+        await run_until_signalled(start, server.stop)
 
     asyncio.run(run())
     return 0

@@ -1,7 +1,7 @@
 """Worker discovery and the router's live view of each worker.
 
-A `WorkerRegistry` only answers "which addresses exist" (static list, in-process
-registry for local mode; keys in Ray's GCS store under Ray Serve, serve/registry.py).
+A `WorkerRegistry` only answers "which addresses exist" (static list, DNS name of a
+headless Service, in-process registry for local mode; keys in Ray's GCS store under Ray Serve, serve/registry.py).
 `WorkerPool` turns addresses into `WorkerHandle`s (channel, stub, last Stats, affinity
 memory) and polls Stats.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -41,6 +42,32 @@ class StaticRegistry:
         self._addresses = list(addresses)
 
     def addresses(self) -> list[str]:
+        return list(self._addresses)
+
+
+class DnsRegistry:
+    """Every address a DNS name resolves to, at one port: a Kubernetes headless Service
+    (`<svc>.<namespace>.svc`) lists its ready pods' IPs. Resolved at most every
+    `refresh_s` (the Stats poll calls `addresses()` often); a failed lookup keeps the
+    last answer, so a DNS hiccup does not empty the pool."""
+
+    def __init__(self, host: str, port: int, refresh_s: float = 5.0):
+        self.host, self.port, self.refresh_s = host, port, refresh_s
+        self._addresses: list[str] = []
+        self._at = float("-inf")
+
+    def addresses(self) -> list[str]:
+        now = time.monotonic()
+        if now - self._at >= self.refresh_s:
+            self._at = now
+            try:
+                infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                logger.warning("DNS lookup of %s failed (%s); keeping %d workers", self.host, exc,
+                               len(self._addresses))
+            else:
+                ips = sorted({info[4][0] for info in infos})
+                self._addresses = [f"[{ip}]:{self.port}" if ":" in ip else f"{ip}:{self.port}" for ip in ips]
         return list(self._addresses)
 
 

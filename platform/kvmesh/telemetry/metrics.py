@@ -26,6 +26,9 @@ Router metrics (labels):
 `mode` is pd (prefill and decode on different workers) or unified (one worker did
 both: no prefill workers, the decider said so, or every prefill worker failed).
 `finish_reason`: stop, length, abort (client cancelled or went away), error.
+
+vLLM's names of the same series (vllm:time_to_first_token_seconds, vllm:request_success_total,
+...) are in `kvmesh.telemetry.vllm`, fed from the same observations and counters.
 """
 
 from __future__ import annotations

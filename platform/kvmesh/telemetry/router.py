@@ -1,8 +1,10 @@
 """The router's per-request telemetry: latency histograms, finish counters, the
 `kvmesh.router.generate` span, and the scorers' scores of picked workers.
 
-Per streamed message the cost is one perf_counter() and one histogram observe; the
-label lookups happen once per request.
+Per streamed message the cost is one perf_counter() and three histogram observes (kvmesh's
+inter-token latency and vLLM's two names of it, telemetry/vllm.py); the label lookups
+happen once per request. Each value is observed into kvmesh's histogram and its vllm:
+twin at the same line, so the two never disagree on counts or sums.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.telemetry import metrics as m
 from kvmesh.telemetry import tracing
+from kvmesh.telemetry import vllm as v
 from kvmesh.telemetry.workers import worker_label
 
 if TYPE_CHECKING:
@@ -76,12 +79,17 @@ class RequestTelemetry:
             now = time.perf_counter()
             if self._itl is None:
                 self._first = now
-                _child(m.TTFT, self.model, self.mode).observe(now - self._start)
+                ttft = now - self._start
+                _child(m.TTFT, self.model, self.mode).observe(ttft)
+                _child(v.TTFT, self.model).observe(ttft)
                 _child(m.REQUESTS_WAITING, self.model).dec()
                 _child(m.REQUESTS_RUNNING, self.model).inc()
-                self._itl = _child(m.ITL, self.model, self.mode)
+                self._itl = (_child(m.ITL, self.model, self.mode), _child(v.ITL, self.model),
+                             _child(v.TPOT, self.model))
             else:
-                self._itl.observe(now - self._last)
+                gap = now - self._last
+                for h in self._itl:
+                    h.observe(gap)
             self._last = now
             self.num_tokens += num_tokens
         if finish_reason:
@@ -94,9 +102,13 @@ class RequestTelemetry:
         reason = self.finish_reason or ("abort" if typ is not None and issubclass(
             typ, (asyncio.CancelledError, GeneratorExit)) else "error")
         _child(m.REQUESTS_RUNNING if self._itl is not None else m.REQUESTS_WAITING, model).dec()
-        _child(m.E2E, model, mode).observe(now - self._start)
+        e2e = now - self._start
+        _child(m.E2E, model, mode).observe(e2e)
+        _child(v.E2E, model).observe(e2e)
         if self.num_tokens > 1:
-            _child(m.TPOT, model, mode).observe((self._last - self._first) / (self.num_tokens - 1))
+            tpot = (self._last - self._first) / (self.num_tokens - 1)
+            _child(m.TPOT, model, mode).observe(tpot)
+            _child(v.REQUEST_TPOT, model).observe(tpot)
         _child(m.FINISHED, model, mode, reason).inc()
         _child(m.PROMPT_TOKENS, model, mode).inc(self.prompt_tokens)
         _child(m.CACHED_PROMPT_TOKENS, model, mode).inc(self.cached_prompt_tokens)

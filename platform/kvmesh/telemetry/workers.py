@@ -19,12 +19,16 @@ source too (a series per address: the first source that has it wins).
 | kvmesh_worker_prompt_tokens_total | counter | |
 | kvmesh_worker_cached_prompt_tokens_total | counter | source = local, store, transfer |
 | kvmesh_preemptions_total | counter | |
+| kvmesh_spec_decode_proposed_tokens_total, _accepted_tokens_total | counter | |
 | kvmesh_kv_transfer_bytes_total, kvmesh_kv_transfer_blocks_total | counter | direction = sent, received |
 | kvmesh_kv_pull_failures_total, kvmesh_kv_transfers_expired_total | counter | |
 | kvmesh_kv_store_bytes_total | counter | direction = read, written |
 | kvmesh_lora_slots | gauge | (workers with LoRA on: max_loras, the adapters one step batches) |
 | kvmesh_lora_adapters | gauge | state = loaded (host memory), resident (a device slot) |
 | kvmesh_lora_requests | gauge | adapter (waiting or running under it; bounded by max_cpu_loras) |
+
+The same values under vLLM's names (vllm:num_requests_running, kv_cache_usage_perc,
+prefix_cache_queries / hits, ...; see kvmesh.telemetry.vllm) come from the same getters.
 
 Prefix hit rate of a worker: rate(cached_prompt_tokens_total) / rate(prompt_tokens_total),
 split by where the reused KV came from.
@@ -53,22 +57,67 @@ Stats = worker_pb2.StatsResponse
 # One source: the (stats, healthy) pairs it knows, read at scrape time.
 StatsSource = Callable[[], Iterable[tuple[Stats, bool]]]
 
+
+
+# Getters shared by kvmesh's families and their vllm: names (one source for both).
+def _running(s: Stats) -> float:
+    return s.num_running
+
+
+def _waiting(s: Stats) -> float:
+    return s.num_waiting
+
+
+def _blocks_used(s: Stats) -> float:
+    return s.num_usable_blocks - s.num_free_blocks
+
+
+def _blocks_free(s: Stats) -> float:
+    return s.num_free_blocks
+
+
+def _kv_usage(s: Stats) -> float:
+    """Used / (used + free) KV blocks, in [0, 1] (vllm:kv_cache_usage_perc)."""
+    used, free = _blocks_used(s), _blocks_free(s)
+    return used / (used + free) if used + free > 0 else 0.0
+
+
+def _prompt_tokens(s: Stats) -> float:
+    return s.prompt_tokens_total
+
+
+def _local_hits(s: Stats) -> float:
+    return s.cached_prompt_tokens_local
+
+
+def _preemptions(s: Stats) -> float:
+    return s.num_preemptions
+
+
+def _spec_proposed(s: Stats) -> float:
+    return s.spec_proposed_tokens
+
+
+def _spec_accepted(s: Stats) -> float:
+    return s.spec_accepted_tokens
+
+
 _GAUGES: tuple[tuple[str, str, Callable[[Stats], float]], ...] = (
-    ("kvmesh_requests_running", "Requests in the worker's running batch.", lambda s: s.num_running),
-    ("kvmesh_requests_waiting", "Requests queued at the worker, not yet admitted.", lambda s: s.num_waiting),
-    ("kvmesh_kv_blocks_used", "KV blocks in use by requests (usable - free).",
-     lambda s: s.num_usable_blocks - s.num_free_blocks),
-    ("kvmesh_kv_blocks_free", "KV blocks free, evictable prefix-cached blocks included.",
-     lambda s: s.num_free_blocks),
+    ("kvmesh_requests_running", "Requests in the worker's running batch.", _running),
+    ("kvmesh_requests_waiting", "Requests queued at the worker, not yet admitted.", _waiting),
+    ("kvmesh_kv_blocks_used", "KV blocks in use by requests (usable - free).", _blocks_used),
+    ("kvmesh_kv_blocks_free", "KV blocks free, evictable prefix-cached blocks included.", _blocks_free),
     ("kvmesh_kv_held_transfers", "Prefilled KV held for a decode worker to pull.",
      lambda s: s.num_held_transfers),
 )
 _COUNTERS: tuple[tuple[str, str, Callable[[Stats], float]], ...] = (
     ("kvmesh_worker_requests", "Requests the worker finished.", lambda s: s.requests_total),
-    ("kvmesh_worker_prompt_tokens", "Prompt tokens of requests the worker finished.",
-     lambda s: s.prompt_tokens_total),
-    ("kvmesh_preemptions", "Requests preempted (KV freed, recomputed later) for lack of KV blocks.",
-     lambda s: s.num_preemptions),
+    ("kvmesh_worker_prompt_tokens", "Prompt tokens of requests the worker finished.", _prompt_tokens),
+    ("kvmesh_preemptions", "Requests preempted (KV freed, recomputed later) for lack of KV blocks.", _preemptions),
+    ("kvmesh_spec_decode_proposed_tokens", "Draft tokens proposed by speculative decoding (0 when it is off).",
+     _spec_proposed),
+    ("kvmesh_spec_decode_accepted_tokens", "Draft tokens the target model accepted; acceptance rate = "
+     "rate(accepted) / rate(proposed).", _spec_accepted),
     ("kvmesh_kv_pull_failures", "KV pulls that failed (the prompt was recomputed).",
      lambda s: s.kv_pull_failures),
     ("kvmesh_kv_transfers_expired", "Held transfers released by TTL, never pulled.",
@@ -78,7 +127,7 @@ _SPLIT_COUNTERS: tuple[tuple[str, str, str, tuple[tuple[str, Callable[[Stats], f
     ("kvmesh_worker_cached_prompt_tokens",
      "Prompt tokens of finished requests whose KV was reused, by source: local prefix cache, shared "
      "store, or pulled from a prefill worker.", "source",
-     (("local", lambda s: s.cached_prompt_tokens_local), ("store", lambda s: s.cached_prompt_tokens_store),
+     (("local", _local_hits), ("store", lambda s: s.cached_prompt_tokens_store),
       ("transfer", lambda s: s.cached_prompt_tokens_transfer))),
     ("kvmesh_kv_transfer_bytes", "KV bytes moved between workers by PullKV.", "direction",
      (("sent", lambda s: s.kv_sent_bytes), ("received", lambda s: s.kv_received_bytes))),
@@ -87,7 +136,21 @@ _SPLIT_COUNTERS: tuple[tuple[str, str, str, tuple[tuple[str, Callable[[Stats], f
     ("kvmesh_kv_store_bytes", "KV bytes read from / written to the shared KV store.", "direction",
      (("read", lambda s: s.kv_store_bytes_read), ("written", lambda s: s.kv_store_bytes_written))),
 )
+# The vllm: names of the same values (kvmesh.telemetry.vllm); labelled model_name too.
+_VLLM_GAUGES: tuple[tuple[str, str, Callable[[Stats], float]], ...] = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches.", _running),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", _waiting),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", _kv_usage),
+)
+_VLLM_COUNTERS: tuple[tuple[str, str, Callable[[Stats], float]], ...] = (
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", _prompt_tokens),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", _local_hits),
+    ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", _preemptions),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", _spec_proposed),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", _spec_accepted),
+)
 _LABELS = ["worker", "role"]
+_VLLM_LABELS = ["model_name", *_LABELS]
 # Keys the worker label; KVMESH_INTERNAL_TOKEN is the deployment's shared secret (rpc/internal_auth.py).
 _LABEL_KEY = os.environ.get("KVMESH_INTERNAL_TOKEN", "").encode() or os.urandom(32)
 
@@ -104,6 +167,8 @@ def stats_families(items: Iterable[tuple[Stats, bool]]) -> list:
                                 labels=_LABELS)
     gauges = [(GaugeMetricFamily(n, doc, labels=_LABELS), get) for n, doc, get in _GAUGES]
     counters = [(CounterMetricFamily(n, doc, labels=_LABELS), get) for n, doc, get in _COUNTERS]
+    vllm = [(GaugeMetricFamily(n, doc, labels=_VLLM_LABELS), get) for n, doc, get in _VLLM_GAUGES]
+    vllm += [(CounterMetricFamily(n, doc, labels=_VLLM_LABELS), get) for n, doc, get in _VLLM_COUNTERS]
     split = [(CounterMetricFamily(n, doc, labels=[*_LABELS, label]), parts)
              for n, doc, label, parts in _SPLIT_COUNTERS]
     lora_slots = GaugeMetricFamily("kvmesh_lora_slots", "LoRA adapters the worker's device slots hold "
@@ -121,6 +186,8 @@ def stats_families(items: Iterable[tuple[Stats, bool]]) -> list:
         healthy.add_metric(labels, 1.0 if ok else 0.0)
         for fam, get in (*gauges, *counters):
             fam.add_metric(labels, get(stats))
+        for fam, get in vllm:
+            fam.add_metric([stats.model_id, *labels], get(stats))
         for fam, parts in split:
             for value, get in parts:
                 fam.add_metric([*labels, value], get(stats))
@@ -131,7 +198,7 @@ def stats_families(items: Iterable[tuple[Stats, bool]]) -> list:
             for info in stats.loras:
                 lora_requests.add_metric([*labels, info.name], info.num_requests)
     return [healthy, *(f for f, _ in gauges), *(f for f, _ in counters), *(f for f, _ in split),
-            lora_slots, lora_adapters, lora_requests]
+            lora_slots, lora_adapters, lora_requests, *(f for f, _ in vllm)]
 
 
 class ClusterCollector(Collector):
