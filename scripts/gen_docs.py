@@ -491,7 +491,10 @@ def _descriptor_set(files: list[Path]) -> Any:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "set.pb"
-        args = ["protoc", f"-I{ROOT / 'protos'}", f"--descriptor_set_out={out}", "--include_source_info",
+        import grpc_tools  # its bundled well-known types (google/protobuf/struct.proto, ...)
+
+        well_known = Path(grpc_tools.__file__).parent / "_proto"
+        args = ["protoc", f"-I{ROOT / 'protos'}", f"-I{well_known}", f"--descriptor_set_out={out}", "--include_source_info",
                 *[str(f.relative_to(ROOT / "protos")) for f in files]]
         cwd = os.getcwd()
         os.chdir(ROOT / "protos")
@@ -522,8 +525,12 @@ def _field_type(field: Any, package: str, maps: dict[str, Any]) -> str:
             key, value = maps[full]
             return f"map<{key}, {value}>"
         short = full.removeprefix(package + ".")
-        anchor = short.lower().replace(".", "") + ("-enum" if field.type == 14 else "")
-        name = f"[{short}](#{anchor})"
+        if full.startswith("google.protobuf."):  # a well-known type: protobuf's own reference
+            name = (f"[{short}](https://protobuf.dev/reference/protobuf/google.protobuf/"
+                    f"#{short.rsplit('.', 1)[-1].lower()})")
+        else:
+            anchor = short.lower().replace(".", "") + ("-enum" if field.type == 14 else "")
+            name = f"[{short}](#{anchor})"
     if field.label == 3:
         return f"repeated {name}"
     if field.proto3_optional:
