@@ -66,6 +66,9 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     shared-store connector."""
     config = config or EngineConfig()
     mc, cc = config.model, config.cache
+    if config.parallel.world_size > 1:
+        raise ConfigError("parallel: tensor / pipeline parallel sizes above 1 are not served by this build; "
+                          "use tensor_parallel_size=1 and pipeline_parallel_size=1")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = torch.device(mc.device)

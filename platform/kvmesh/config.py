@@ -94,6 +94,28 @@ class SchedulerConfig(_Base):
     )
 
 
+class ParallelConfig(_Base):
+    """How one engine's model is split over ranks (vLLM's names): tensor parallel shards every
+    layer's weights over `tensor_parallel_size` ranks (an all-reduce per attention and MLP
+    block), pipeline parallel splits the layers over `pipeline_parallel_size` stages. One
+    engine (scheduler, block tables, prefix hashes) drives all ranks; the router sees one worker."""
+
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks each layer's weights are sharded over (column-parallel QKV / gate-up, "
+        "row-parallel output / down, vocab-parallel embedding and LM head). 1: no sharding.",
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="Pipeline stages the decoder layers are split over. 1: no pipeline.",
+    )
+    distributed_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend between ranks: auto = nccl on CUDA, gloo on CPU.",
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 class SpeculativeConfig(_Base):
     """Speculative decoding: a proposer drafts tokens, the target verifies them losslessly."""
 
@@ -222,6 +244,7 @@ class EngineConfig(_Base):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on CPU; None keeps torch's default."
     )
@@ -263,7 +286,7 @@ class EngineConfig(_Base):
         if not overrides:
             return self
         flat = {**self.model.model_dump(), **self.cache.model_dump(), **self.scheduler.model_dump(),
-                **self.kernels.model_dump(),
+                **self.parallel.model_dump(), **self.kernels.model_dump(),
                 **{k: getattr(self, k) for k in type(self).model_fields if k not in _SECTIONS}}
         return type(self).from_kwargs(**{**flat, **overrides})
 
@@ -288,4 +311,4 @@ class EngineConfig(_Base):
 
 # EngineConfig's sections whose fields are flat keyword arguments and flags (names unique).
 _SECTIONS: dict[str, type[_Base]] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                                     "kernels": KernelConfig}
+                                     "parallel": ParallelConfig, "kernels": KernelConfig}

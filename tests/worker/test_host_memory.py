@@ -51,7 +51,9 @@ def test_freed_activations_stay_mapped_instead_of_faulting_in_every_step():
     # glibc's defaults hand freed blocks back (unmapped, or trimmed off the heap top) and fault
     # them in again the next step.
     assert default > 30 * 1000, default
-    assert kept < default / 50, (kept, default)
+    # kept: what is left is first touches of new heap (a few thousand faults at most; 250-1500
+    # measured across the pool's CPUs), not a fault on every page of every step.
+    assert kept < default / 10, (kept, default)
 
 
 def test_keep_freed_memory_is_once_per_process():

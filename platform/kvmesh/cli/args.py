@@ -25,7 +25,7 @@ from kvmesh.cli.vllm_args import speculative_config_arg
 from kvmesh.config import EngineConfig, LoRAConfig, LoRAModule, SpeculativeConfig
 
 # Sections whose fields are flattened without a prefix (their names are unique).
-_FLAT_SECTIONS = ("model", "cache", "scheduler", "kernels")
+_FLAT_SECTIONS = ("model", "cache", "scheduler", "parallel", "kernels")
 # The nested optional sections: `--speculative METHOD` turns speculative decoding on;
 # `--enable-lora` (or any LoRA flag) turns multi-LoRA serving on.
 _SPEC = "speculative"
