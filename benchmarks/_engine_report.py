@@ -34,12 +34,17 @@ def _not_measured(peers: dict, *keys: str) -> str:
 
 
 def summarize(systems: dict, step: dict | None, bandwidth: dict | None, wbytes: int | None,
-              b1: dict | None = None, peers: dict | None = None) -> dict:
-    """Ratios and target verdicts (met None = not measured, with a note saying why)."""
+              b1: dict | None = None, peers: dict | None = None, rounds: dict | None = None) -> dict:
+    """Ratios and target verdicts (met None = not measured, with a note saying why). Against
+    vLLM, the median of the alternating rounds' ratios when there were rounds."""
     ratios, targets, peers = {}, [], peers or {}
     kv = systems.get("kvmesh")
     if kv and "vllm_cpu" in systems:
-        ratios["kvmesh_vs_vllm_cpu"] = r = kv["tok_per_s"] / systems["vllm_cpu"]["tok_per_s"]
+        r = kv["tok_per_s"] / systems["vllm_cpu"]["tok_per_s"]
+        if rounds and rounds.get("ratio_median") is not None:
+            r = rounds["ratio_median"]
+            ratios["kvmesh_vs_vllm_cpu_spread"] = [rounds["ratio_min"], rounds["ratio_max"]]
+        ratios["kvmesh_vs_vllm_cpu"] = r
         targets.append(_target("offline throughput vs vLLM CPU (fp32)", f">= {TARGET_VS_VLLM:g}x", r,
                                r >= TARGET_VS_VLLM))
     elif kv and peers:
@@ -197,7 +202,7 @@ def render_markdown(res: dict) -> str:
     title = "Engine throughput" + (" (SMOKE run: numbers are not meaningful)" if res["smoke"] else "")
     la = res["load_average"]["start"]
     passes = (f"{cfg.get('warmup_passes', 0)} untimed warm-up pass(es), then {cfg['repeats']} timed pass(es) "
-              f"(median wall time) for kvmesh and vLLM; transformers {cfg.get('hf_repeats', cfg['repeats'])} pass(es).")
+              f"(median wall time) for kvmesh and vLLM, alternating (a kvmesh pass, then a vLLM pass); transformers {cfg.get('hf_repeats', cfg['repeats'])} pass(es).")
     lines = [
         f"# {title}",
         "",
@@ -217,7 +222,21 @@ def render_markdown(res: dict) -> str:
         "",
     ]
     lines += _offline_table(res)
+    lines += _rounds_lines(res.get("rounds"))
     return "\n".join(lines + _notes(res)) + "\n"
+
+
+def _rounds_lines(rounds: dict | None) -> list[str]:
+    """The alternating kvmesh / vLLM rounds, one row each, and the median ratio with its spread."""
+    if not rounds or not rounds.get("played"):
+        return []
+    lines = ["", "Alternating rounds (one kvmesh pass, then one vLLM pass, both engines loaded and warm):", "",
+             "| round | kvmesh wall s | vLLM wall s | kvmesh / vLLM |", "|---|---|---|---|"]
+    lines += [f"| {r['round'] + 1} | {r['kvmesh_wall_s']:.2f} | {r['vllm_wall_s']:.2f} | {r['ratio']:.3f}x |"
+              for r in rounds["played"]]
+    lines += ["", f"**Median {rounds['ratio_median']:.3f}x** (spread {rounds['ratio_min']:.3f}-"
+              f"{rounds['ratio_max']:.3f}x over {len(rounds['played'])} rounds)."]
+    return lines
 
 
 def _bars(ax, labels: list[str], values: list[float], highlight: list[bool], ratios: list[str], ylabel: str,

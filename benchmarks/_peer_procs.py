@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -43,14 +44,19 @@ def venv_python(venv: Path | None, module: str, install_hint: str) -> tuple[Path
     return py, None
 
 
-def run_child(py: Path, script: str, spec: dict, env: dict, tag: str, timeout_s: float) -> tuple[dict | None, str]:
-    """Run benchmarks/`script` with `py` on `spec`; returns (its JSON answer or None, reason / log tail)."""
+def run_child(py: Path, script: str, spec: dict, env: dict, tag: str, timeout_s: float,
+              pass_fds: tuple[int, ...] = (), on_start: Callable[[], None] | None = None) -> tuple[dict | None, str]:
+    """Run benchmarks/`script` with `py` on `spec` (`pass_fds` inherited by the child, `on_start`
+    called once it runs); returns (its JSON answer or None, reason / log tail)."""
     tail: collections.deque[str] = collections.deque(maxlen=30)
     with tempfile.TemporaryDirectory(prefix=f"kvmesh-{tag}-") as tmp:
         inp, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
         inp.write_text(json.dumps(spec))
         proc = subprocess.Popen([str(py), str(HERE / script), "--in", str(inp), "--out", str(out)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp,
+                                pass_fds=pass_fds)
+        if on_start is not None:
+            on_start()
         killer = threading.Timer(timeout_s, proc.kill)  # a hung child is ended, quiet or not
         killer.start()
         for line in proc.stdout:  # live log, prefixed; the tail explains a failure
@@ -95,6 +101,13 @@ def vllm_env(threads: int) -> dict:
     return env
 
 
+def _vllm_spec(model_path: Path, prompts: list[list[int]], output_lens: list[int], warmup_passes: int,
+               repeats: int) -> dict:
+    need = max(len(p) + n for p, n in zip(prompts, output_lens))
+    return {"model": str(model_path), "prompts": prompts, "output_lens": output_lens,
+            "max_model_len": max(1024, need), "warmup_passes": warmup_passes, "repeats": repeats}
+
+
 def run_vllm(venv: Path | None, model_path: Path, prompts: list[list[int]], output_lens: list[int],
              kv_outputs: list[list[int]] | None, threads: int, warmup_passes: int, repeats: int,
              timeout_s: float = 3600) -> tuple[dict | None, dict]:
@@ -103,15 +116,80 @@ def run_vllm(venv: Path | None, model_path: Path, prompts: list[list[int]], outp
     if py is None:
         print(f"vLLM CPU: skipped: {reason}", flush=True)
         return None, {"status": "skipped", "reason": reason}
-    need = max(len(p) + n for p, n in zip(prompts, output_lens))
-    spec = {"model": str(model_path), "prompts": prompts, "output_lens": output_lens,
-            "max_model_len": max(1024, need), "warmup_passes": warmup_passes, "repeats": repeats}
+    spec = _vllm_spec(model_path, prompts, output_lens, warmup_passes, repeats)
     env = vllm_env(threads)
     print(f"vLLM CPU ({py}): {warmup_passes} warm-up pass(es), {repeats} timed ...", flush=True)
     ans, why = run_child(py, "_vllm_offline.py", spec, env, "vllm", timeout_s)
     if ans is None:
         print(f"vLLM CPU: FAILED ({why.splitlines()[0]}); no vLLM column", flush=True)
         return None, {"status": "failed", "reason": why}
+    return _vllm_result(ans, py, spec, env, kv_outputs)
+
+
+def run_vllm_alternating(venv: Path | None, model_path: Path, prompts: list[list[int]], output_lens: list[int],
+                         threads: int, warmup_passes: int, rounds: int, our_pass: Callable[[], float],
+                         timeout_s: float = 3600) -> tuple[dict | None, dict, list[dict]]:
+    """Rounds of one timed pass of ours (`our_pass()` -> wall seconds) then one of vLLM's, vLLM
+    loaded and warm in its own process throughout (idle while ours runs), so both sides meet the
+    same machine state. Returns (vLLM systems entry or None, peers record, the rounds: both walls).
+    Without vLLM, nothing runs (the caller times its passes alone)."""
+    py, reason = venv_python(venv, "vllm", VLLM_INSTALL)
+    if py is None:
+        print(f"vLLM CPU: skipped: {reason}", flush=True)
+        return None, {"status": "skipped", "reason": reason}, []
+    to_child_r, to_child_w = os.pipe()
+    to_parent_r, to_parent_w = os.pipe()
+    spec = {**_vllm_spec(model_path, prompts, output_lens, warmup_passes, rounds),
+            "control_fds": [to_child_r, to_parent_w]}
+    env = vllm_env(threads)
+    print(f"vLLM CPU ({py}): {warmup_passes} warm-up pass(es), then {rounds} rounds alternating with kvmesh ...",
+          flush=True)
+    answer: dict = {}
+    started = threading.Event()
+
+    def child() -> None:
+        try:
+            answer["ans"], answer["why"] = run_child(py, "_vllm_offline.py", spec, env, "vllm", timeout_s,
+                                                     pass_fds=(to_child_r, to_parent_w), on_start=started.set)
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=child, daemon=True)
+    thread.start()
+    started.wait()
+    # Only the child holds its ends now: a child that dies closes the pipe, and readline returns.
+    os.close(to_child_r)
+    os.close(to_parent_w)
+    tell, hear = os.fdopen(to_child_w, "w"), os.fdopen(to_parent_r, "r")
+    played: list[dict] = []
+    try:
+        if json.loads(hear.readline() or "null") == "ready":
+            for i in range(rounds):
+                ours = our_pass()
+                tell.write("go\n")
+                tell.flush()
+                line = hear.readline()
+                if not line:
+                    break
+                theirs = json.loads(line)["wall_s"]
+                played.append({"round": i, "kvmesh_wall_s": ours, "vllm_wall_s": theirs, "ratio": theirs / ours})
+                print(f"round {i + 1}/{rounds}: kvmesh {ours:.2f} s, vLLM {theirs:.2f} s -> "
+                      f"{theirs / ours:.3f}x", flush=True)
+    finally:
+        tell.close()
+        thread.join()
+        hear.close()
+    if answer.get("ans") is None:
+        why = answer.get("why", "no answer")
+        print(f"vLLM CPU: FAILED ({why.splitlines()[0]}); no vLLM column", flush=True)
+        return None, {"status": "failed", "reason": why}, played
+    system, peer = _vllm_result(answer["ans"], py, spec, env, None)
+    return system, peer, played
+
+
+def _vllm_result(ans: dict, py: Path, spec: dict, env: dict,
+                 kv_outputs: list[list[int]] | None) -> tuple[dict, dict]:
+    output_lens = spec["output_lens"]
     useful = sum(output_lens)
     wall = statistics.median(ans["wall_s_all"])
     match = compare_outputs(kv_outputs, ans["outputs"]) if kv_outputs is not None else None
@@ -127,8 +205,9 @@ def run_vllm(venv: Path | None, model_path: Path, prompts: list[list[int]], outp
         "load_s": ans["load_s"],
         "prefix_cache_reset": ans["prefix_cache_reset"],
         "prefix_hit_tokens_per_pass": ans["prefix_hit_tokens_per_pass"],
+        "_outputs": ans["outputs"],
     }
-    print(f"vLLM CPU: {system['tok_per_s']:.1f} tok/s (median of {repeats}: "
+    print(f"vLLM CPU: {system['tok_per_s']:.1f} tok/s (median of {len(ans['wall_s_all'])}: "
           + ", ".join(f"{w:.1f}" for w in ans["wall_s_all"]) + " s)", flush=True)
     if match is not None:
         print(f"greedy outputs kvmesh vs vLLM: {match['requests_equal']}/{match['requests_compared']} requests equal"

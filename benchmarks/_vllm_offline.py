@@ -7,7 +7,11 @@ vLLM, never kvmesh. Usage::
     VENV/bin/python _vllm_offline.py --in workload.json --out result.json
 
 Input JSON: ``{"model": HF folder, "prompts": [[ids]], "output_lens": [n], "max_model_len": int,
-"warmup_passes": int, "repeats": int}``. Protocol: build the ``LLM`` (float32), run the whole
+"warmup_passes": int, "repeats": int}``; with ``"control_fds": [r, w]`` (inherited pipe ends) the
+timed passes alternate with the parent's engine: after the warm-up the child writes ``ready``
+on ``w``, then runs one timed pass per ``go`` line read from ``r`` and answers each with a JSON
+line (``{"wall_s": ...}``), so the parent can time its own pass between two of vLLM's while vLLM
+sits idle, loaded and warm. Protocol: build the ``LLM`` (float32), run the whole
 workload ``warmup_passes`` times untimed (the first full pass is ~30% slower: allocator and
 oneDNN warm-up), then ``repeats`` timed passes; the prefix cache is reset before every pass so
 no pass reuses another's prompts. Output JSON: wall time per pass, the generated token ids of
@@ -32,6 +36,23 @@ def _reset_prefix_cache(llm) -> bool:
         return False
 
 
+class _Control:
+    """The alternation pipe: `ready` once warm, then a `go` line before every timed pass."""
+
+    def __init__(self, read_fd: int, write_fd: int):
+        self.r, self.w = os.fdopen(read_fd, "r"), os.fdopen(write_fd, "w")
+
+    def say(self, msg) -> None:
+        self.w.write(json.dumps(msg) + "\n")
+        self.w.flush()
+
+    def wait_turn(self, first: bool) -> None:
+        if first:
+            self.say("ready")
+        if self.r.readline().strip() != "go":
+            raise SystemExit("vllm: the parent closed the control pipe")
+
+
 def run(spec: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
@@ -49,10 +70,15 @@ def run(spec: dict) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t, outs, reset
 
+    control = _Control(*spec["control_fds"]) if spec.get("control_fds") else None
     warm_walls, walls, hits, resets, outs = [], [], [], [], []
     passes = [("warmup", i) for i in range(spec["warmup_passes"])] + [("timed", i) for i in range(spec["repeats"])]
     for kind, i in passes:
+        if control is not None and kind == "timed":
+            control.wait_turn(first=i == 0)
         wall, outs, reset = one_pass()
+        if control is not None and kind == "timed":
+            control.say({"pass": i, "wall_s": wall})
         (warm_walls if kind == "warmup" else walls).append(wall)
         resets.append(reset)
         hits.append(sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outs))

@@ -15,9 +15,11 @@ unless stated, same thread count ``--threads``):
   median wall time. The warm-up pass matters: the first full pass runs ~30% slower on both
   (allocator and oneDNN warm-up), so ratios without it are unfair to whoever runs first.
 * **vLLM CPU** (``--vllm-venv``, default /tmp/vllm-cpu): the same token ids through
-  ``vllm.LLM.generate`` (float32) in a subprocess of that venv (``_vllm_offline.py``), after
-  kvmesh has finished. kvmesh's greedy outputs must equal vLLM's for every request (recorded,
-  never fatal).
+  ``vllm.LLM.generate`` (float32) in a subprocess of that venv (``_vllm_offline.py``). After
+  both have warmed up, the timed passes alternate: a kvmesh pass, then a vLLM pass, ``--repeats``
+  rounds, both engines resident (each idle while the other runs); the ratio is the median of the
+  rounds' ratios, reported with its spread. kvmesh's greedy outputs must equal vLLM's for every
+  request (recorded, never fatal).
 * **transformers** static batches of 8 and 32 (arrival order, left padding, a batch runs to its
   longest request, only requested tokens count) and batch 1 on the first 8 requests, once
   each (``--hf-repeats``); kvmesh's first 4 outputs must equal transformers batch 1.
@@ -73,7 +75,8 @@ from _common import RESULTS_DIR, check_idle, cpu_flags, cpu_model, load_snapshot
 from _engine_report import plot, render_markdown, summarize
 from _kvmesh_ab import ab_markdown, run_ab
 from _kvmesh_runs import b1_decode, decode_step_time, measure_bandwidth, run_kvmesh, weight_bytes
-from _peer_procs import DEFAULT_LLAMACPP_VENV, DEFAULT_VLLM_VENV, common_prefix, f32_gguf, run_llamacpp, run_vllm
+from _peer_procs import (DEFAULT_LLAMACPP_VENV, DEFAULT_VLLM_VENV, common_prefix, compare_outputs, f32_gguf,
+                         run_llamacpp, run_vllm_alternating)
 from _peers import hf_generate, load_hf, run_hf_batch1, run_hf_static, sanity_check
 from _workloads import Workload, make_workload, text_prompt
 
@@ -259,6 +262,45 @@ def run_b1_peers(args, model_path: Path, prompt: list[int], b1: dict, peers: dic
         print(f"batch-1 decode {s['label']}: {s['decode_tok_per_s']:.1f} tok/s")
 
 
+def run_offline_rounds(args, llm: LLM, model_path: Path, workload: Workload) -> tuple[dict, dict | None, dict, dict]:
+    """kvmesh's and vLLM's offline passes in alternating rounds: kvmesh warms up, vLLM loads and
+    warms up in its own process, then each round times one kvmesh pass and one vLLM pass (vLLM
+    idle and resident while kvmesh runs, kvmesh idle while vLLM does), so a machine that speeds
+    up or slows down during the run moves both columns alike. The ratio is the median of the
+    per-round ratios, with their spread. Returns (kvmesh entry, vLLM entry or None, vLLM's peers
+    record, the rounds record)."""
+    print(f"kvmesh: {args.warmup_passes} warm-up pass(es) of all requests at once ...")
+    if args.warmup_passes:
+        run_kvmesh(llm, workload, 1, args.warmup_passes - 1)  # the last warm-up's time is discarded too
+    passes: list[dict] = []
+
+    def kvmesh_pass() -> float:
+        passes.append(run_kvmesh(llm, workload, 1, 0))
+        return passes[-1]["wall_s"]
+
+    vllm_sys, peer, played = run_vllm_alternating(args.vllm_venv, model_path, workload.prompts,
+                                                  workload.output_lens, args.threads, args.warmup_passes,
+                                                  args.repeats, kvmesh_pass)
+    while len(passes) < args.repeats:  # no vLLM (or it failed): kvmesh's passes alone
+        kvmesh_pass()
+    kv = {**passes[-1], "wall_s_all": [p["wall_s"] for p in passes],
+          "engine_stats": [s for p in passes for s in p["engine_stats"]]}
+    kv["wall_s"] = float(np.median(kv["wall_s_all"]))
+    kv["tok_per_s"] = workload.total_output_tokens / kv["wall_s"]
+    print(f"kvmesh: {kv['tok_per_s']:.1f} tok/s (median of {len(passes)}: "
+          + ", ".join(f"{w:.1f}" for w in kv["wall_s_all"]) + " s)")
+    if vllm_sys is not None:
+        peer["output_match"] = m = compare_outputs(kv["_outputs"], vllm_sys["_outputs"])
+        print(f"greedy outputs kvmesh vs vLLM: {m['requests_equal']}/{m['requests_compared']} requests equal")
+    ratios = [r["ratio"] for r in played]
+    rounds = {"played": played, "alternating": bool(played)}
+    if ratios:
+        rounds.update(ratio_median=float(np.median(ratios)), ratio_min=min(ratios), ratio_max=max(ratios))
+        print(f"kvmesh / vLLM over {len(ratios)} alternating rounds: median {rounds['ratio_median']:.3f}x "
+              f"(spread {rounds['ratio_min']:.3f}-{rounds['ratio_max']:.3f}x)")
+    return kv, vllm_sys, peer, rounds
+
+
 def run_config(args, workload: Workload) -> dict:
     """The run's settings as recorded in the JSON's "config"."""
     return {
@@ -309,10 +351,9 @@ def main(argv=None) -> dict:
 
     systems: dict[str, dict] = {}
     phases["kvmesh"] = load_snapshot()
-    print(f"kvmesh: all requests at once, {args.warmup_passes} warm-up pass(es) + {args.repeats} timed ...")
-    systems["kvmesh"] = run_kvmesh(llm, workload, args.repeats, args.warmup_passes)
-    print(f"kvmesh: {systems['kvmesh']['tok_per_s']:.1f} tok/s (median of {args.repeats}: "
-          + ", ".join(f"{w:.1f}" for w in systems["kvmesh"]["wall_s_all"]) + " s)")
+    systems["kvmesh"], vllm_sys, peers["vllm"], rounds = run_offline_rounds(args, llm, model_path, workload)
+    if vllm_sys is not None:
+        systems["vllm_cpu"] = vllm_sys
 
     b1_prompt = text_prompt(llm.tokenizer, 32)
     b1 = {"prompt_tokens": len(b1_prompt), "max_tokens": args.b1_llama_tokens, "repeats": args.b1_llama_repeats,
@@ -331,12 +372,6 @@ def main(argv=None) -> dict:
               f"outputs equal: {ab['outputs_equal']}")
     if args.bf16:
         run_bf16(args, workload, systems, b1, phases)
-
-    phases["vllm"] = load_snapshot()
-    vllm_sys, peers["vllm"] = run_vllm(args.vllm_venv, model_path, workload.prompts, workload.output_lens,
-                                       systems["kvmesh"]["_outputs"], args.threads, args.warmup_passes, args.repeats)
-    if vllm_sys is not None:
-        systems["vllm_cpu"] = vllm_sys
 
     run_b1_peers(args, model_path, b1_prompt, b1, peers, phases)
 
@@ -378,8 +413,9 @@ def main(argv=None) -> dict:
         "peers": peers,
         "sanity": sanity,
         "ab": ab,
+        "rounds": rounds,
     }
-    res["summary"] = summarize(systems, step, bandwidth, wbytes, b1, peers)
+    res["summary"] = summarize(systems, step, bandwidth, wbytes, b1, peers, rounds)
     paths, markdown = save(res, args.out_dir, args.prefix)
     print()
     print(markdown)

@@ -138,3 +138,51 @@ def test_a_failing_peer_child_is_recorded_with_its_last_lines(tmp_path):
     if ans is not None:
         pytest.skip("llama_cpp is importable in this interpreter")
     assert why.startswith("exit code 1") and "llama_cpp" in why
+
+
+FAKE_VLLM = '''
+import time
+__version__ = "0.0-fake"
+class SamplingParams:
+    def __init__(self, max_tokens, **kw):
+        self.max_tokens = max_tokens
+class _Seq:
+    def __init__(self, ids):
+        self.token_ids = ids
+class _Out:
+    def __init__(self, ids):
+        self.outputs, self.num_cached_tokens = [_Seq(ids)], 0
+class LLM:
+    def __init__(self, model, **kw):
+        pass
+    def reset_prefix_cache(self):
+        return True
+    def generate(self, prompts, params, use_tqdm=False):
+        time.sleep(0.05)
+        return [_Out([p.prompt_token_ids[0]] * s.max_tokens) for p, s in zip(prompts, params)]
+'''
+
+
+def test_alternating_rounds_interleave_our_passes_with_the_peers(tmp_path, monkeypatch):
+    # A stand-in vllm package (the real one lives in a venv of its own): the round protocol is
+    # what is under test: ready after the warm-up, one peer pass per round, after ours.
+    pkg = tmp_path / "fake" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_VLLM)
+    (pkg / "inputs.py").write_text("class TokensPrompt:\n    def __init__(self, prompt_token_ids):\n"
+                                   "        self.prompt_token_ids = prompt_token_ids\n")
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    order = []
+
+    def ours() -> float:
+        order.append("kvmesh")
+        return 0.1
+
+    system, rec, played = peer_procs.run_vllm_alternating(tmp_path / "venv", tmp_path, [[5, 6], [7]], [3, 2], 1,
+                                                          1, 3, ours)
+    assert rec["status"] == "ok" and system["_outputs"] == [[5, 5, 5], [7, 7]]
+    assert order == ["kvmesh"] * 3 and [r["round"] for r in played] == [0, 1, 2]
+    assert all(r["vllm_wall_s"] >= 0.05 and r["ratio"] == r["vllm_wall_s"] / 0.1 for r in played)
+    assert len(system["wall_s_all"]) == 3 and len(system["warmup_wall_s"]) == 1
