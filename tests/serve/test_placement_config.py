@@ -1,0 +1,63 @@
+"""Placement of multi-rank worker replicas: bundles and strategy from the engine's parallel config."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.serve.config import ServingConfig
+
+
+def _cfg(tp: int = 1, pp: int = 1, **decode) -> ServingConfig:
+    decode.setdefault("resources", {"num_cpus": 4, "num_gpus": 0, "custom": {"kvmesh-decode": 1}})
+    return ServingConfig.model_validate({
+        "engine": {"parallel": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}}, "decode": decode})
+
+
+def _unified(cfg: ServingConfig) -> dict:
+    [d] = [d for d in cfg.deployment_overrides() if d["name"] == "unified"]
+    return d
+
+
+def test_one_rank_gets_no_placement_group():
+    d = _unified(_cfg())
+    assert "placement_group_bundles" not in d and "placement_group_strategy" not in d
+    assert d["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 0, "resources": {"kvmesh-decode": 1}}
+
+
+@pytest.mark.parametrize("tp, pp, strategy", [(2, 1, "STRICT_PACK"), (1, 2, "PACK"), (2, 2, "STRICT_PACK")])
+def test_bundles_split_the_replica_over_its_ranks(tp, pp, strategy):
+    d = _unified(_cfg(tp, pp))
+    world = tp * pp
+    share = {"CPU": 4 / world, "kvmesh-decode": round(1 / world, 4)}
+    assert d["placement_group_bundles"] == [share] * world
+    assert d["placement_group_strategy"] == strategy
+    # Ray Serve puts the replica actor in bundle 0: its options are that bundle.
+    assert d["ray_actor_options"] == {"num_cpus": 4 / world, "num_gpus": 0.0, "resources": {"kvmesh-decode": share["kvmesh-decode"]}}
+
+
+def test_gpu_bundles_hold_whole_gpus_and_refuse_shared_ones():
+    cfg = _cfg(2, 1, resources={"num_cpus": 8, "num_gpus": 2})
+    d = _unified(cfg)
+    assert d["placement_group_bundles"] == [{"CPU": 4.0, "GPU": 1.0}] * 2
+    assert d["ray_actor_options"]["num_gpus"] == 1.0
+    with pytest.raises(ValueError, match="decode: num_gpus 1 for 2 ranks: each rank needs its own whole GPU"):
+        _cfg(2, 1, resources={"num_cpus": 8, "num_gpus": 1}).deployment_overrides()
+
+
+def test_strategy_override_pipeline_only():
+    assert _unified(_cfg(1, 2, placement_strategy="SPREAD"))["placement_group_strategy"] == "SPREAD"
+    with pytest.raises(ValueError, match="STRICT_PACK"):
+        _cfg(2, 2, placement_strategy="PACK").deployment_overrides()
+
+
+def test_role_override_and_disaggregated_roles():
+    cfg = ServingConfig.model_validate({
+        "engine": {"parallel": {"tensor_parallel_size": 2}},
+        "prefill": {"resources": {"num_cpus": 2}, "engine_overrides": {"tensor_parallel_size": 1}},
+        "decode": {"resources": {"num_cpus": 2}}})
+    by_name = {d["name"]: d for d in cfg.deployment_overrides()}
+    assert "placement_group_bundles" not in by_name["prefill"]
+    assert len(by_name["decode"]["placement_group_bundles"]) == 2
+    assert "placement_group_bundles" not in by_name["router"]
+    # The runtime args carry no placement: a strategy change restarts no replica's config.
+    assert "placement_strategy" not in str(cfg.runtime_dict()["decode"])
