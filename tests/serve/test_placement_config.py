@@ -61,3 +61,15 @@ def test_role_override_and_disaggregated_roles():
     assert "placement_group_bundles" not in by_name["router"]
     # The runtime args carry no placement: a strategy change restarts no replica's config.
     assert "placement_strategy" not in str(cfg.runtime_dict()["decode"])
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_ray_serve_accepts_the_placement(tp, pp):
+    """Ray Serve's own validation: the replica's options fit bundle 0, the config file parses."""
+    config = pytest.importorskip("ray.serve._private.config")
+    schema = pytest.importorskip("ray.serve.schema")
+    cfg = _cfg(tp, pp, resources={"num_cpus": 4, "num_gpus": tp * pp, "memory_gb": 8, "custom": {"kvmesh-decode": 1}})
+    opts = cfg.placement("unified")
+    replica = config.ReplicaConfig.create(object, **opts)
+    assert replica.placement_group_strategy == opts.get("placement_group_strategy")
+    schema.ServeDeploySchema.model_validate({"applications": [cfg.ray_serve_application()]})
