@@ -2,7 +2,7 @@
 
 One worker replica drives `world_size = tensor_parallel_size * pipeline_parallel_size`
 ranks: rank 0 runs in the replica's own actor, ranks 1.. are processes the engine spawns
-(or Ray actors, see `rank_actor_options`). Ray must reserve all of them together, or a
+(or Ray actors, see `kvmesh.serve.rank_actors`). Ray must reserve all of them together, or a
 replica could start with half its GPUs and wait forever for the rest. So such a replica
 gets a Ray Serve placement group, as Ray Serve LLM does: one bundle per rank, the replica
 actor in bundle 0 (Ray Serve schedules it there, so its `ray_actor_options` must fit that
@@ -22,6 +22,9 @@ SPREAD on request).
     # {'ray_actor_options': {'num_cpus': 2.0, 'num_gpus': 1.0},
     #  'placement_group_bundles': [{'CPU': 2.0, 'GPU': 1.0}, {'CPU': 2.0, 'GPU': 1.0}],
     #  'placement_group_strategy': 'STRICT_PACK'}
+
+No Ray import here: the operator renders these options (through ServingConfig) and never
+imports Ray; what needs Ray at run time is `kvmesh.serve.rank_actors`.
 """
 
 from __future__ import annotations
@@ -105,38 +108,3 @@ def placement_options(resources: "Resources", parallel: ParallelConfig,
     if custom:
         actor["resources"] = custom
     return {"ray_actor_options": actor, "placement_group_bundles": groups, "placement_group_strategy": chosen}
-
-
-def rank_actor_options(rank: int, placement_group: Any = None) -> dict[str, Any]:
-    """`.options(...)` for a Ray actor running rank `rank` (>= 1) inside the replica's placement group.
-
-    Not used yet: the engine starts ranks 1.. as child processes of the replica, which run on
-    the replica's node and inside its reservation (STRICT_PACK puts every bundle there). An
-    engine that makes ranks Ray actors instead (needed for pipeline stages on other nodes, PACK
-    / SPREAD) calls this from the replica: it pins rank r to bundle r, with that bundle's
-    resources, and keeps the actor's own children in the group. Call it from inside the
-    replica (the group is `ray.util.get_current_placement_group()` there)."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    pg = placement_group if placement_group is not None else ray.util.get_current_placement_group()
-    if pg is None:
-        raise RuntimeError("rank_actor_options: not inside a placement group (a replica with world_size 1, or "
-                           "called outside a Ray Serve replica)")
-    specs = pg.bundle_specs
-    if not 1 <= rank < len(specs):
-        raise ValueError(f"rank {rank}: the replica's placement group has bundles 0..{len(specs) - 1} "
-                         "(bundle 0 is the replica itself)")
-    bundle = specs[rank]
-    opts: dict[str, Any] = {
-        "num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0),
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=rank,
-            placement_group_capture_child_tasks=True),
-    }
-    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory") and not k.startswith("bundle_group")}
-    if custom:
-        opts["resources"] = custom
-    if "memory" in bundle:
-        opts["memory"] = bundle["memory"]
-    return opts
