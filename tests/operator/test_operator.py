@@ -310,7 +310,7 @@ async def test_tensor_parallel_service_renders_gpu_pods_placement_and_engine(api
     assert decode["template"]["metadata"]["labels"]["kvmesh.dev/tensor-parallel"] == "2"
     [unified] = [d for d in _serve_app(rs)["deployments"] if d["name"] == "unified"]
     assert unified["placement_group_strategy"] == "STRICT_PACK"
-    assert unified["placement_group_bundles"] == [{"CPU": 8.0, "GPU": 1.0, "kvmesh-decode": 0.5}] * 2
+    assert unified["placement_group_bundles"] == [{"CPU": 8.0, "GPU": 2.0, "kvmesh-decode": 0.5}, {"CPU": 8.0, "kvmesh-decode": 0.5}]
     engine = _serve_app(rs)["args"]["config"]["engine"]
     assert engine["parallel"]["tensor_parallel_size"] == 2 and engine["model"]["device"] == "cuda"
     serving = yaml.safe_load((await get(api, f"{CONFIGMAPS}/tp-config"))["data"]["serving.yaml"])

@@ -132,8 +132,8 @@ def test_tensor_parallel_replica_takes_a_whole_gpu_pod():
     assert cfg.engine.model.device == "cuda"
     [unified] = [d for d in _app(objs)["deployments"] if d["name"] == "unified"]
     assert unified["placement_group_strategy"] == "STRICT_PACK"
-    assert unified["placement_group_bundles"] == [{"CPU": 8.0, "GPU": 1.0, "kvmesh-decode": 0.5}] * 2
-    assert unified["ray_actor_options"] == {"num_cpus": 8.0, "num_gpus": 1.0, "resources": {"kvmesh-decode": 0.5}}
+    assert unified["placement_group_bundles"] == [{"CPU": 8.0, "GPU": 2.0, "kvmesh-decode": 0.5}, {"CPU": 8.0, "kvmesh-decode": 0.5}]
+    assert unified["ray_actor_options"] == {"num_cpus": 8.0, "num_gpus": 2.0, "resources": {"kvmesh-decode": 0.5}}
 
 
 def test_pipeline_and_mixed_parallelism_per_role():

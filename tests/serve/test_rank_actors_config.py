@@ -25,7 +25,7 @@ def test_rank_actor_runs_in_its_bundle():
     if started:
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=96 << 20)
     try:
-        opts = placement_options(Resources(num_cpus=1), ParallelConfig(pipeline_parallel_size=2))
+        opts = placement_options(Resources(num_cpus=1), ParallelConfig(pipeline_parallel_size=2), rank_actors=True)
         pg = ray.util.placement_group(opts["placement_group_bundles"], strategy=opts["placement_group_strategy"])
         ray.get(pg.ready(), timeout=30)
         rank = _Rank.options(**rank_actor_options(1, pg)).remote()

@@ -139,6 +139,11 @@ class Workload(_Base):
         "parallelism); unset: STRICT_PACK with tensor parallelism (one node), PACK for pipeline only. "
         "`resources` stay per replica and are split evenly over its ranks' bundles.",
     )
+    rank_launch: Literal["processes", "actors"] = Field(
+        "processes", description="How a multi-rank replica starts ranks 1..: as its own child processes (they see "
+        "the replica's GPUs: every GPU goes in the replica's bundle) or as Ray actors, one per bundle with its own "
+        "GPU share (kvmesh.serve.rank_actors; needed for pipeline stages on other nodes).",
+    )
 
     def scaling_options(self, role: str | None = None, slo: "SLOTargets | None" = None) -> dict[str, Any]:
         if self.autoscaling is not None:
@@ -280,7 +285,8 @@ class ServingConfig(_Base):
             return {"ray_actor_options": self.router.resources.ray_actor_options()}
         wl = self.roles()[role]
         try:
-            return placement_options(wl.resources, self.engine_for(role).parallel, wl.placement_strategy)
+            return placement_options(wl.resources, self.engine_for(role).parallel, wl.placement_strategy,
+                                     rank_actors=wl.rank_launch == "actors")
         except ValueError as e:
             raise ValueError(f"{'decode' if role == 'unified' else role}: {e}") from None
 
