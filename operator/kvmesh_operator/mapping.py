@@ -20,7 +20,9 @@ from kvmesh_operator.quantity import parse_quantity
 from kvmesh_operator.spec import (
     MODEL_MOUNT,
     LLMServiceSpec,
+    ParallelismSpec,
     SpecError,
+    WorkerSpec,
     WorkloadSpec,
     check_name,
     format_errors,
@@ -74,9 +76,18 @@ def _resources(w: WorkloadSpec, group: str) -> dict[str, Any]:
             "custom": {ray_resource(group): 1.0}}
 
 
+def _parallel(w: WorkerSpec) -> dict[str, int]:
+    p = w.parallelism or ParallelismSpec()
+    return {"tensor_parallel_size": p.tensor, "pipeline_parallel_size": p.pipeline}
+
+
 def _workload(w: WorkloadSpec, group: str) -> dict[str, Any]:
     out: dict[str, Any] = {"resources": _resources(w, group), "node_selector": dict(w.node_selector),
                            "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in w.tolerations]}
+    if isinstance(w, WorkerSpec) and w.world_size > 1:
+        # All ranks of a replica are in its one pod (render.worker_group sizes it so): never
+        # let Ray put a rank's bundle on another pod, even for pipeline-only groups.
+        out["placement_strategy"] = "STRICT_PACK"
     if w.scaling is not None:
         out["autoscaling"] = {"min_replicas": w.scaling.min_replicas, "max_replicas": w.scaling.max_replicas,
                               "target_ongoing_requests": w.scaling.target_ongoing_requests,
@@ -100,6 +111,7 @@ def _engine(spec: LLMServiceSpec) -> dict[str, Any]:
         "scheduler": {"max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens},
         "prompt_cache": [{"name": p.name, "text": p.text, "token_ids": p.token_ids, "ttl_s": p.ttl_seconds}
                          for p in spec.prompt_cache],
+        "parallel": _parallel(spec.decode),
     }
     if spec.lora is not None:
         # No modules: adapters reach the workers through the router at run time (router_user_config),
@@ -159,8 +171,13 @@ def to_serving_config(spec: LLMServiceSpec, *, name: str = "kvmesh", namespace: 
     }
     if spec.prefill is not None:
         data["prefill"] = _workload(spec.prefill, "prefill")
+        overrides: dict[str, Any] = {}
         if (spec.prefill.resources.gpu > 0) != (spec.decode.resources.gpu > 0):
-            data["prefill"]["engine_overrides"] = {"device": "cuda" if spec.prefill.resources.gpu else "cpu"}
+            overrides["device"] = "cuda" if spec.prefill.resources.gpu else "cpu"
+        if _parallel(spec.prefill) != _parallel(spec.decode):
+            overrides.update(_parallel(spec.prefill))
+        if overrides:
+            data["prefill"]["engine_overrides"] = overrides
     if spec.tls is not None:
         data["security"] = {"tls_cert_file": f"{TLS_MOUNT}/tls.crt", "tls_key_file": f"{TLS_MOUNT}/tls.key"}
         if spec.tls.client_ca_key:
@@ -173,6 +190,7 @@ def to_serving_config(spec: LLMServiceSpec, *, name: str = "kvmesh", namespace: 
         cfg = ServingConfig.model_validate(data)
         for role in cfg.roles():
             cfg.engine_for(role)
+            cfg.placement(role)
     except ValidationError as e:
         raise SpecError(f"the serving config this spec maps to is invalid: {format_errors(e, 'servingConfig')}") from None
     except ValueError as e:

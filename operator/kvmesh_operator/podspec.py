@@ -2,7 +2,8 @@
 about its pods. Typed like the rest of the spec (`spec` builds on these models), rendered by
 `render.pod_template`, merged with the user's template patch by `pods.merge_template`.
 
-    resources            cpu, memory, gpu (at most one per pod: no tensor / pipeline parallelism yet)
+    resources            cpu, memory, gpu (per pod = per replica; a worker role's tensor x pipeline ranks
+                         share its pod, one GPU each)
     nodeSelector, tolerations, affinity           placement
     shmSize              a memory-backed /dev/shm of this size (else KubeRay's, sized to the memory limit)
     serviceAccountName, priorityClassName, runtimeClassName
@@ -20,8 +21,10 @@ from pydantic.alias_generators import to_camel
 from kvmesh_operator import pods
 from kvmesh_operator.quantity import Quantity, parse_quantity
 
-MAX_GPUS_PER_POD = 1
-"""One worker runs on one GPU until tensor / pipeline parallelism lands; more GPUs = more replicas."""
+MAX_GPUS_PER_POD = 8
+"""A pod is one node's share: 8 GPUs is the largest common GPU node (HGX / DGX). A replica's ranks
+(tensor x pipeline) all run in its one pod, so this also bounds a GPU replica's world size; a group
+spanning pods (pipeline stages on several nodes) is not rendered yet."""
 
 
 class SpecModel(BaseModel):
@@ -35,8 +38,8 @@ def cel(rule: str, message: str) -> dict[str, Any]:
     return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
 
 
-_GPU_MESSAGE = (f"at most {MAX_GPUS_PER_POD} GPU per pod: each kvmesh worker runs on one GPU (tensor and "
-                "pipeline parallelism are not supported yet); add replicas to use more GPUs")
+_GPU_MESSAGE = (f"at most {MAX_GPUS_PER_POD} GPUs per pod (one node's): a replica's tensor x pipeline ranks all "
+                "run in its pod; add replicas to use more GPUs")
 
 
 class ResourcesSpec(SpecModel):
@@ -48,8 +51,9 @@ class ResourcesSpec(SpecModel):
 
     cpu: Quantity = Field("1", description="CPU cores per pod, e.g. 2 or '500m'.")
     memory: Quantity = Field("4Gi", description="Memory per pod, e.g. '16Gi'.")
-    gpu: int = Field(0, ge=0, description="NVIDIA GPUs per pod (nvidia.com/gpu), 0 or 1; 1 runs the engine on "
-                     "CUDA. One worker uses one GPU (no tensor / pipeline parallelism yet).",
+    gpu: int = Field(0, ge=0, description="NVIDIA GPUs per pod (nvidia.com/gpu); more than 0 runs the engine on "
+                     "CUDA. A worker replica uses one GPU per rank: give parallelism.tensor x "
+                     "parallelism.pipeline (default 1).",
                      json_schema_extra={"maximum": MAX_GPUS_PER_POD})
 
     @field_validator("gpu")

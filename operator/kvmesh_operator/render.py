@@ -48,13 +48,17 @@ from kvmesh_operator.mapping import (
 from kvmesh_operator.podspec import PodOptions, ResourcesSpec
 from kvmesh_operator.quantity import parse_quantity, ray_cpus
 from kvmesh_operator.security import KubeRayPeer
-from kvmesh_operator.spec import MODEL_MOUNT, LLMServiceSpec, WorkloadSpec
+from kvmesh_operator.spec import MODEL_MOUNT, LLMServiceSpec, ParallelismSpec, WorkerSpec, WorkloadSpec
 
 APP_IMPORT_PATH = "kvmesh.serve.app:build"
 GRPC_PORT = 50051
 HTTP_PORT = 8000
 LABEL_SERVICE = f"{GROUP}/llmservice"
 LABEL_ROLE = f"{GROUP}/role"
+LABEL_TENSOR = f"{GROUP}/tensor-parallel"
+LABEL_PIPELINE = f"{GROUP}/pipeline-parallel"
+"""On a worker role's pods (and its Ray worker group): the replica's parallelism, so
+`kubectl get pods -l kvmesh.dev/tensor-parallel=2` finds the TP groups."""
 # Labels KubeRay sets on every Ray pod: its worker group, its RayCluster (a RayService names
 # it `<name>-<random>` and replaces it on upgrades) and, on a RayService's worker pods,
 # ray.io/serve=true (the head's follows its proxy's health).
@@ -187,11 +191,20 @@ def pod_template(t: Target, group: str, opts: PodOptions, *, ports: list[dict[st
     spec.update(_placement(opts))
     if t.image_pull_secrets():
         spec["imagePullSecrets"] = t.image_pull_secrets()
-    meta: dict[str, Any] = {"labels": {**opts.labels, **labels(t, group), LABEL_ROLE: group}}
+    meta: dict[str, Any] = {"labels": {**opts.labels, **labels(t, group), LABEL_ROLE: group,
+                                       **parallel_labels(opts)}}
     if opts.annotations:
         meta["annotations"] = dict(opts.annotations)
     template = {"metadata": meta, "spec": spec}
     return pods.merge_template(template, opts.template) if opts.template else template
+
+
+def parallel_labels(opts: PodOptions) -> dict[str, str]:
+    """kvmesh.dev/tensor-parallel and pipeline-parallel of a worker role's pods; none elsewhere."""
+    if not isinstance(opts, WorkerSpec):
+        return {}
+    p = opts.parallelism or ParallelismSpec()
+    return {LABEL_TENSOR: str(p.tensor), LABEL_PIPELINE: str(p.pipeline)}
 
 
 def _placement(opts: PodOptions) -> dict[str, Any]:
@@ -227,6 +240,10 @@ def ray_resources_param(group: str) -> str:
 
 
 def worker_group(t: Target, group: str, w: WorkloadSpec) -> dict[str, Any]:
+    """One role's Ray worker group: one pod per replica, its Ray node offering exactly the
+    pod's CPUs and GPUs. A worker replica with tensor x pipeline ranks takes the whole pod
+    (resources.gpu = its rank count, validated in spec.WorkerSpec), so its STRICT_PACK
+    placement group (mapping._workload) fits the pod and a TP group never crosses nodes."""
     lo, hi = w.bounds()
     params = {"resources": ray_resources_param(group), "num-cpus": str(ray_cpus(w.resources.cpu))}
     if w.resources.gpu:

@@ -16,7 +16,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from kvmesh.config import CacheConfig, LoRAConfig, LoRAModule, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kvmesh.config import (
+    CacheConfig,
+    LoRAConfig,
+    LoRAModule,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvmesh.router.config import RouterConfig, ScorerWeight
 from kvmesh.router.plugins import PLUGINS
 from kvmesh.serve.config import Autoscaling, KVStoreConfig, SLOTargets, TracingConfig
@@ -130,6 +138,55 @@ class WorkloadSpec(PodOptions):
             return self.scaling.min_replicas, self.scaling.max_replicas
         n = 1 if self.replicas is None else self.replicas
         return n, n
+
+
+class ParallelismSpec(_Spec):
+    """How one replica's model is split over GPUs (or CPU processes), as KServe's `parallelism`:
+    a replica runs tensor x pipeline ranks, all in its one Ray worker pod; the router sees one
+    worker per replica. Model-specific limits (heads divisible by tensor, layers by pipeline)
+    are the engine's to check when it loads the model."""
+
+    tensor: int = _mirror(ParallelConfig, "tensor_parallel_size")
+    pipeline: int = _mirror(ParallelConfig, "pipeline_parallel_size")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline
+
+
+_GPU_RULE = ("!has(self.resources) || !has(self.resources.gpu) || self.resources.gpu == 0 || "
+             "self.resources.gpu == (has(self.parallelism) ? self.parallelism.tensor * self.parallelism.pipeline : 1)")
+_GPU_RULE_MESSAGE = ("resources.gpu must be 0 (CPU) or parallelism.tensor x parallelism.pipeline (default 1): each "
+                     "rank of a replica runs on its own GPU, all in the replica's pod")
+
+
+class WorkerSpec(WorkloadSpec):
+    """A worker role (prefill, or decode / unified): replicas and pods as any workload, and how
+    each replica splits its model (parallelism)."""
+
+    model_config = ConfigDict(**_Spec.model_config, json_schema_extra={"x-kubernetes-validations": [
+        *_cel('!(has(self.replicas) && has(self.scaling))', 'give either replicas or scaling, not both')[
+            "x-kubernetes-validations"],
+        {"rule": _GPU_RULE, "message": _GPU_RULE_MESSAGE}]})
+
+    parallelism: ParallelismSpec | None = Field(
+        None, description="Tensor / pipeline parallelism of each replica; unset: one rank (tensor 1, pipeline 1). "
+        "resources are per replica (= per pod): give tensor x pipeline GPUs, or none for CPU ranks.")
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.parallelism is None else self.parallelism.world_size
+
+    @model_validator(mode="after")
+    def _gpus(self) -> "WorkerSpec":
+        gpu, world = self.resources.gpu, self.world_size
+        if gpu and gpu != world:
+            p = self.parallelism or ParallelismSpec()
+            raise ValueError(f"resources.gpu {gpu} with parallelism tensor {p.tensor} x pipeline {p.pipeline}: each "
+                             f"replica runs {world} rank{'s' if world > 1 else ''}, one GPU each, in its one pod; "
+                             f"give resources.gpu: {world} (or 0 for CPU ranks), or set parallelism so that "
+                             f"tensor x pipeline = {gpu}; more replicas use more GPUs")
+        return self
 
 
 class ScorerSpec(_Spec):
@@ -327,8 +384,8 @@ class LLMServiceSpec(_Spec):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     head: HeadSpec = Field(default_factory=HeadSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
-    prefill: WorkloadSpec | None = Field(None, description="Prefill replicas; set = disaggregated P/D.")
-    decode: WorkloadSpec = Field(default_factory=WorkloadSpec, description="Decode (or unified) replicas.")
+    prefill: WorkerSpec | None = Field(None, description="Prefill replicas; set = disaggregated P/D.")
+    decode: WorkerSpec = Field(default_factory=WorkerSpec, description="Decode (or unified) replicas.")
     cache: CacheSpec = Field(default_factory=CacheSpec)
     prompt_cache: list[PromptCacheSpec] = Field(default_factory=list, description="Prompts pinned at startup.")
     slo: SLOSpec = Field(default_factory=SLOSpec, description="Latency targets of SLO autoscaling.")
@@ -373,6 +430,10 @@ class LLMServiceSpec(_Spec):
     @property
     def mode(self) -> Literal["unified", "disaggregated"]:
         return "unified" if self.prefill is None else "disaggregated"
+
+    def workers(self) -> dict[str, WorkerSpec]:
+        """Worker roles by Ray worker group name: [prefill], decode."""
+        return {g: w for g, w in self.workloads().items() if isinstance(w, WorkerSpec)}
 
     def workloads(self) -> dict[str, WorkloadSpec]:
         """Ray worker groups by name: router, [prefill], decode."""

@@ -43,6 +43,8 @@ class RoleStatus(_Status):
     ready_replicas: int = Field(description="Replicas serving: all desired ones once Serve reports the "
                                 "deployment HEALTHY (a lower bound when autoscaling), else 0.")
     ready: str = Field(description="readyReplicas/replicas, for kubectl get.")
+    ranks: int | None = Field(None, description="Worker roles: ranks (= GPUs or CPU processes) per replica, "
+                              "tensor x pipeline; the router sees one worker per replica.")
 
 
 class Endpoints(_Status):
@@ -160,9 +162,10 @@ def roles(t: Target, deployments: dict[str, dict[str, Any]]) -> dict[str, Any]:
         state = str((deployments.get(deployment) or {}).get("status") or "Unknown")
         lo, hi = workload.bounds()
         ready = lo if state == "HEALTHY" else 0
+        ranks = getattr(workload, "world_size", None)  # worker roles only (spec.WorkerSpec)
         out[group] = RoleStatus(deployment=deployment, state=state, replicas=lo, max_replicas=hi,
                                 ready_replicas=ready, ready=f"{ready}/{lo}" if lo == hi else f"{ready}/{lo}-{hi}",
-                                ).model_dump(by_alias=True)
+                                ranks=ranks).model_dump(by_alias=True, exclude_none=True)
     return out
 
 

@@ -166,3 +166,47 @@ def test_pull_secrets_and_kuberay_location_reach_the_operator_and_its_pods(helm,
     proc = subprocess.run([helm, "template", "kvmesh", str(CHART), "--set", "imagePullSecrets[0].name=x"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "imagePullSecrets moved to image.pullSecrets" in proc.stderr
+
+
+TP_VALUES = CHART / "ci" / "tensor-parallel-values.yaml"
+
+
+def test_tensor_parallel_values_render_a_tp2_llmservice(helm, llmservice_schema):
+    _run(helm, "lint", "--strict", str(CHART), "-f", str(TP_VALUES))
+    objs = _template(helm, "-f", str(TP_VALUES))
+    llms = objs.pop("LLMService/kvmesh-serving/llama-70b")
+    validate_builtin(objs.values())
+    validate_schema(llms, llmservice_schema)
+    decode = llms["spec"]["decode"]
+    assert decode["parallelism"] == {"tensor": 2, "pipeline": 1} and decode["resources"]["gpu"] == 2
+    # What the operator makes of it: the engine's TP size, a 2-GPU pod per replica, STRICT_PACK bundles.
+    t = Target("llama-70b", "kvmesh-serving", parse_spec(llms["spec"]))
+    assert t.serving_config().engine.parallel.tensor_parallel_size == 2
+    rs = next(o for o in render_all(t) if o["kind"] == "RayService")
+    [group] = [g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "decode"]
+    assert group["rayStartParams"]["num-gpus"] == "2"
+    [app] = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    [unified] = [d for d in app["deployments"] if d["name"] == "unified"]
+    assert unified["placement_group_strategy"] == "STRICT_PACK" and len(unified["placement_group_bundles"]) == 2
+
+
+def test_parallelism_values_fill_worker_roles_and_refuse_bad_gpu_counts(helm):
+    base = ["--set", "llmService.enabled=true", "--set", "llmService.spec.prefill.replicas=1"]
+    objs = _template(helm, *base, "--set", "llmService.parallelism.pipeline=2")
+    spec = objs["LLMService/kvmesh-system/kvmesh"]["spec"]
+    assert spec["prefill"]["parallelism"] == spec["decode"]["parallelism"] == {"tensor": 1, "pipeline": 2}
+    assert "resources" not in spec["decode"]  # gpu: false leaves CPU ranks
+    # A role's own parallelism wins over the chart-wide one.
+    objs = _template(helm, *base, "--set", "llmService.parallelism.tensor=2",
+                     "--set", "llmService.spec.prefill.parallelism.tensor=1")
+    spec = objs["LLMService/kvmesh-system/kvmesh"]["spec"]
+    assert (spec["prefill"]["parallelism"], spec["decode"]["parallelism"]) == ({"tensor": 1}, {"tensor": 2, "pipeline": 1})
+    assert "parallelism" not in _template(helm, "--set", "llmService.enabled=true")[
+        "LLMService/kvmesh-system/kvmesh"]["spec"].get("decode", {})
+    for extra, message in ((["--set", "llmService.parallelism.gpu=true", "--set", "llmService.parallelism.tensor=2",
+                             "--set", "llmService.spec.decode.resources.gpu=1"],
+                            "llmService.spec.decode.resources.gpu is 1 but its parallelism runs 2 ranks"),
+                           (["--set", "llmService.parallelism.tensor=0"], "must be >= 1")):
+        proc = subprocess.run([helm, "template", "kvmesh", str(CHART), *base, *extra],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr

@@ -227,7 +227,7 @@ async def test_lifecycle_create_update_ready_delete(api, operator):
     assert status["endpoints"] == {"grpc": "chat-grpc.ml.svc:50051", "http": "http://chat-http.ml.svc:8000"}
     assert status["mode"] == "disaggregated"
     assert status["roles"]["decode"] == {"deployment": "decode", "state": "HEALTHY", "replicas": 4,
-                                         "maxReplicas": 4, "readyReplicas": 4, "ready": "4/4"}
+                                         "maxReplicas": 4, "readyReplicas": 4, "ready": "4/4", "ranks": 1}
     assert status["observedGeneration"] == 2
     assert condition({"status": status}, "Degraded")["status"] == "False"
     assert (status["model"], status["url"], status["pods"], status["readyReplicas"]) == (
@@ -294,6 +294,47 @@ async def test_invalid_spec_degrades_with_event_and_recovers(api, operator):
     await eventually(lambda: get(api, f"{RAYSERVICES}/broken"))
     fixed = await eventually(lambda: _cond(api, "Degraded", "False", "broken"))
     assert fixed["reason"] == "AsExpected"
+
+
+async def test_tensor_parallel_service_renders_gpu_pods_placement_and_engine(api, operator):
+    spec = {"model": {"uri": "/models/llama-70b", "dtype": "bfloat16"},
+            "decode": {"replicas": 2, "parallelism": {"tensor": 2},
+                       "resources": {"cpu": "16", "memory": "160Gi", "gpu": 2}}}
+    await write(api, "POST", LLMS, llmservice("tp", spec))
+    rs = await eventually(lambda: get(api, f"{RAYSERVICES}/tp"))
+    decode = {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}["decode"]
+    # One pod per replica holds the whole TP group: 2 GPUs in the container and offered to Ray.
+    assert (decode["replicas"], decode["rayStartParams"]["num-gpus"]) == (2, "2")
+    [container] = decode["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert decode["template"]["metadata"]["labels"]["kvmesh.dev/tensor-parallel"] == "2"
+    [unified] = [d for d in _serve_app(rs)["deployments"] if d["name"] == "unified"]
+    assert unified["placement_group_strategy"] == "STRICT_PACK"
+    assert unified["placement_group_bundles"] == [{"CPU": 8.0, "GPU": 2.0, "kvmesh-decode": 0.5}, {"CPU": 8.0, "kvmesh-decode": 0.5}]
+    engine = _serve_app(rs)["args"]["config"]["engine"]
+    assert engine["parallel"]["tensor_parallel_size"] == 2 and engine["model"]["device"] == "cuda"
+    serving = yaml.safe_load((await get(api, f"{CONFIGMAPS}/tp-config"))["data"]["serving.yaml"])
+    assert serving["engine"]["parallel"]["tensor_parallel_size"] == 2
+
+    await write(api, "PATCH", f"{RAYSERVICES}/tp/status", {"status": {"activeServiceStatus": {
+        "applicationStatuses": {"tp": {"status": "RUNNING", "serveDeploymentStatuses": {
+            d: {"status": "HEALTHY"} for d in ("router", "unified")}}}}}})
+
+    async def ranks():
+        roles = ((await get(api, f"{LLMS}/tp")).get("status") or {}).get("roles") or {}
+        return roles if roles.get("decode", {}).get("readyReplicas") == 2 else None
+
+    roles = await eventually(ranks)
+    assert roles["decode"]["ranks"] == 2 and "ranks" not in roles["router"]
+
+    # A GPU count that is not the rank count is refused on the LLMService, saying what to give;
+    # the running RayService is left as it was.
+    await write(api, "PATCH", f"{LLMS}/tp", {"spec": {"decode": {"resources": {"gpu": 1}}}})
+    degraded = await eventually(lambda: _cond(api, "Degraded", "True", "tp"))
+    assert degraded["reason"] == "InvalidSpec"
+    assert "spec.decode: resources.gpu 1 with parallelism tensor 2 x pipeline 1" in degraded["message"]
+    assert "give resources.gpu: 2" in degraded["message"]
+    assert (await get(api, f"{RAYSERVICES}/tp"))["metadata"]["uid"] == rs["metadata"]["uid"]
 
 
 async def _uri_error(api: ApiServer) -> dict[str, Any] | None:

@@ -128,8 +128,13 @@ def test_merge_template_merges_like_a_strategic_merge_patch():
 
 @pytest.mark.parametrize("raw, message", [
     ({"decode": {"resources": {"gpu": 2}}},
-     "spec.decode.resources.gpu: 2 GPUs: at most 1 GPU per pod: each kvmesh worker runs on one GPU"),
-    ({"prefill": {"resources": {"gpu": 8}}}, "tensor and pipeline parallelism are not supported yet"),
+     "spec.decode: resources.gpu 2 with parallelism tensor 1 x pipeline 1: each replica runs 1 rank, one GPU each"),
+    ({"prefill": {"resources": {"gpu": 16}}}, "spec.prefill.resources.gpu: 16 GPUs: at most 8 GPUs per pod"),
+    ({"decode": {"parallelism": {"tensor": 2}, "resources": {"gpu": 1}}},
+     "give resources.gpu: 2 (or 0 for CPU ranks), or set parallelism so that tensor x pipeline = 1"),
+    ({"decode": {"parallelism": {"tensor": 0}}}, "spec.decode.parallelism.tensor: Input should be greater than or equal to 1"),
+    ({"decode": {"parallelism": {"pipeline": "two"}}}, "spec.decode.parallelism.pipeline: Input should be a valid integer"),
+    ({"router": {"parallelism": {"tensor": 2}}}, "spec.router.parallelism: Extra inputs are not permitted"),
     ({"decode": {"shmSize": "8Gi"}}, "spec.decode: shmSize 8Gi is more than resources.memory 4Gi"),
     ({"head": {"labels": {"kvmesh.dev/role": "x"}}}, "spec.head.labels: kvmesh.dev/role: set by the operator"),
     ({"router": {"labels": {"app.kubernetes.io/instance": "x"}}}, "spec.router.labels: app.kubernetes.io/instance"),
@@ -153,16 +158,27 @@ def test_pod_template_and_options_errors_name_the_field(raw, message):
     assert message in str(err.value)
 
 
-def test_crd_refuses_more_than_one_gpu(llmservice_schema):
-    def obj(gpu):
+def test_crd_gpus_and_parallelism(llmservice_schema):
+    def obj(decode):
         return {"apiVersion": "kvmesh.dev/v1alpha1", "kind": "LLMService", "metadata": {"name": "x"},
-                "spec": {"decode": {"resources": {"gpu": gpu}}}}
+                "spec": {"decode": decode}}
 
-    validate_schema(obj(1), llmservice_schema)
+    validate_schema(obj({"resources": {"gpu": 8}}), llmservice_schema)
+    validate_schema(obj({"parallelism": {"tensor": 2, "pipeline": 2}, "resources": {"gpu": 4}}), llmservice_schema)
     with pytest.raises(AssertionError, match="spec.decode.resources.gpu"):
-        validate_schema(obj(2), llmservice_schema)
-    resources = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"][
-        "properties"]["spec"]["properties"]["decode"]["properties"]["resources"]
-    assert resources["properties"]["gpu"]["maximum"] == 1
-    [rule] = resources["x-kubernetes-validations"]  # the API server's message says why
-    assert rule["rule"] == "!has(self.gpu) || self.gpu <= 1" and "tensor and pipeline" in rule["message"]
+        validate_schema(obj({"resources": {"gpu": 9}}), llmservice_schema)
+    for bad in (0, -1, "2", 1.5):
+        with pytest.raises(AssertionError, match="spec.decode.parallelism.tensor"):
+            validate_schema(obj({"parallelism": {"tensor": bad}}), llmservice_schema)
+    with pytest.raises(AssertionError, match="spec.decode.parallelism"):
+        validate_schema(obj({"parallelism": {"pipeline": 0}}), llmservice_schema)
+    decode = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"][
+        "properties"]["spec"]["properties"]["decode"]
+    assert decode["properties"]["resources"]["properties"]["gpu"]["maximum"] == 8
+    assert decode["properties"]["parallelism"]["properties"]["tensor"]["minimum"] == 1
+    # The API server (CEL) refuses a GPU count that is not the replica's rank count, saying why.
+    rules = {r["rule"]: r["message"] for r in decode["x-kubernetes-validations"]}
+    [gpu_rule] = [r for r in rules if "parallelism.tensor * self.parallelism.pipeline" in r]
+    assert "each rank of a replica runs on its own GPU" in rules[gpu_rule]
+    assert "parallelism" not in yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"][
+        "openAPIV3Schema"]["properties"]["spec"]["properties"]["router"]["properties"]

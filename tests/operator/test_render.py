@@ -32,6 +32,14 @@ SPECS = {
         "decode": {"scaling": {"minReplicas": 1, "maxReplicas": 8}},
         "cache": {"redis": {"url": "redis://redis.cache:6379/1"}},
     },
+    "tensor-parallel-gpu": {
+        "model": {"uri": "pvc://models/llama-70b", "dtype": "bfloat16"},
+        "decode": {"replicas": 2, "parallelism": {"tensor": 2}, "resources": {"cpu": "16", "memory": "160Gi", "gpu": 2}},
+    },
+    "pipeline-cpu-disaggregated": {
+        "prefill": {"parallelism": {"pipeline": 2}, "resources": {"cpu": "4", "memory": "8Gi"}},
+        "decode": {"parallelism": {"tensor": 2, "pipeline": 2}, "resources": {"cpu": "8", "memory": "16Gi"}},
+    },
 }
 
 
@@ -98,6 +106,50 @@ def test_gpu_placement_volumes_and_auth():
     router = groups["router"]["template"]["spec"]["containers"][0]
     assert {"name": "KVMESH_API_KEY", "valueFrom": {"secretKeyRef": {"name": "key", "key": "api-key"}}} in router["env"]
     assert all(e["name"] != "KVMESH_API_KEY" for e in container["env"])  # the key goes to router and head pods only
+
+
+def _app(objs: dict[str, dict]) -> dict:
+    [app] = yaml.safe_load(objs["RayService/svc"]["spec"]["serveConfigV2"])["applications"]
+    return app
+
+
+def test_tensor_parallel_replica_takes_a_whole_gpu_pod():
+    t, objs = _render("tensor-parallel-gpu")
+    groups = {g["groupName"]: g for g in objs["RayService/svc"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    decode = groups["decode"]
+    # One pod per replica, offering its GPUs to Ray: the TP group fits one pod and node.
+    assert (decode["replicas"], decode["rayStartParams"]["num-gpus"], decode["rayStartParams"]["num-cpus"]) == \
+        (2, "2", "16")
+    [container] = decode["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    labels = decode["template"]["metadata"]["labels"]
+    assert (labels["kvmesh.dev/tensor-parallel"], labels["kvmesh.dev/pipeline-parallel"]) == ("2", "1")
+    assert "kvmesh.dev/tensor-parallel" not in groups["router"]["template"]["metadata"]["labels"]
+    # The engine config and the Ray Serve placement the app runs.
+    cfg = t.serving_config()
+    assert (cfg.engine.parallel.tensor_parallel_size, cfg.engine.parallel.pipeline_parallel_size) == (2, 1)
+    assert _app(objs)["args"]["config"]["engine"]["parallel"]["tensor_parallel_size"] == 2
+    assert cfg.engine.model.device == "cuda"
+    [unified] = [d for d in _app(objs)["deployments"] if d["name"] == "unified"]
+    assert unified["placement_group_strategy"] == "STRICT_PACK"
+    assert unified["placement_group_bundles"] == [{"CPU": 8.0, "GPU": 2.0, "kvmesh-decode": 0.5}, {"CPU": 8.0, "kvmesh-decode": 0.5}]
+    assert unified["ray_actor_options"] == {"num_cpus": 8.0, "num_gpus": 2.0, "resources": {"kvmesh-decode": 0.5}}
+
+
+def test_pipeline_and_mixed_parallelism_per_role():
+    t, objs = _render("pipeline-cpu-disaggregated")
+    cfg = t.serving_config()
+    assert cfg.engine_for("decode").parallel.world_size == 4
+    prefill = cfg.engine_for("prefill").parallel
+    assert (prefill.tensor_parallel_size, prefill.pipeline_parallel_size) == (1, 2)
+    deps = {d["name"]: d for d in _app(objs)["deployments"]}
+    # The pod holds the whole replica: STRICT_PACK even for pipeline only (no bundle on another pod).
+    assert deps["prefill"]["placement_group_strategy"] == "STRICT_PACK"
+    assert deps["prefill"]["placement_group_bundles"] == [{"CPU": 2.0, "kvmesh-prefill": 0.5}] * 2
+    assert deps["decode"]["placement_group_bundles"] == [{"CPU": 2.0, "kvmesh-decode": 0.25}] * 4
+    assert "rayStartParams" in objs["RayService/svc"]["spec"]["rayClusterConfig"]["workerGroupSpecs"][1]
+    assert all("num-gpus" not in g["rayStartParams"]
+               for g in objs["RayService/svc"]["spec"]["rayClusterConfig"]["workerGroupSpecs"])
 
 
 def _kuberay_labels(group_spec: dict, cluster: str) -> dict[str, str]:

@@ -29,6 +29,7 @@ from kvmesh.chat.config import ChatConfig
 from kvmesh.config import EngineConfig, TracingConfig
 from kvmesh.router.config import RouterConfig
 from kvmesh.serve.autoscale import policy_config
+from kvmesh.serve.placement import placement_options
 
 WORKER_ROLES = ("prefill", "decode", "unified")
 
@@ -132,6 +133,16 @@ class Workload(_Base):
     engine_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Flat engine options for this role only (e.g. {max_num_seqs: 8} for prefill).",
+    )
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] | None = Field(
+        None, description="Ray placement group strategy of a replica with several ranks (tensor / pipeline "
+        "parallelism); unset: STRICT_PACK with tensor parallelism (one node), PACK for pipeline only. "
+        "`resources` stay per replica and are split evenly over its ranks' bundles.",
+    )
+    rank_launch: Literal["processes", "actors"] = Field(
+        "processes", description="How a multi-rank replica starts ranks 1..: as its own child processes (they see "
+        "the replica's GPUs: every GPU goes in the replica's bundle) or as Ray actors, one per bundle with its own "
+        "GPU share (kvmesh.serve.rank_actors; needed for pipeline stages on other nodes).",
     )
 
     def scaling_options(self, role: str | None = None, slo: "SLOTargets | None" = None) -> dict[str, Any]:
@@ -266,11 +277,24 @@ class ServingConfig(_Base):
                 data[role] = {"engine_overrides": data[role]["engine_overrides"]}
         return data
 
+    def placement(self, role: str) -> dict[str, Any]:
+        """Ray Serve placement options of one deployment: `ray_actor_options`, plus, for a
+        worker role whose engine has several ranks, `placement_group_bundles` (one per rank)
+        and `placement_group_strategy` (kvmesh.serve.placement)."""
+        if role == "router":
+            return {"ray_actor_options": self.router.resources.ray_actor_options()}
+        wl = self.roles()[role]
+        try:
+            return placement_options(wl.resources, self.engine_for(role).parallel, wl.placement_strategy,
+                                     rank_actors=wl.rank_launch == "actors")
+        except ValueError as e:
+            raise ValueError(f"{'decode' if role == 'unified' else role}: {e}") from None
+
     def deployment_overrides(self) -> list[dict[str, Any]]:
         """Per-deployment placement, in Ray Serve config-file form."""
         out = []
         for name, wl in [("router", self.router), *self.roles().items()]:
-            out.append({"name": name, **wl.scaling_options(name, self.slo), "ray_actor_options": wl.resources.ray_actor_options()})
+            out.append({"name": name, **wl.scaling_options(name, self.slo), **self.placement(name)})
         return out
 
     def ray_serve_application(self, import_path: str = "kvmesh.serve.app:build") -> dict[str, Any]:

@@ -282,8 +282,7 @@ def build_app(cfg: ServingConfig) -> serve.Application:
     workers = {}
     for role, wl in cfg.roles().items():
         dep = serve.deployment(WorkerDeployment).options(
-            name=role,
-            ray_actor_options=wl.resources.ray_actor_options(),
+            name=role, **cfg.placement(role),
             health_check_period_s=5, health_check_timeout_s=30,
             graceful_shutdown_timeout_s=cfg.transfer_ttl_s + 40, graceful_shutdown_wait_loop_s=1,
             max_ongoing_requests=64, **wl.scaling_options(role, cfg.slo),
