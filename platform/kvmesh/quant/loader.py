@@ -36,7 +36,7 @@ from kvmesh.config import KernelConfig
 from kvmesh.errors import ConfigError
 from kvmesh.layers.linear import Linear
 from kvmesh.layers.moe import FusedMoE, expert_tensor
-from kvmesh.layers.op import fast_paths_changed
+from kvmesh.layers.op import TPGroup, fast_paths_changed
 from kvmesh.models.loader import load_arch_config, load_float_model, op_context
 from kvmesh.models.registry import model_class
 from kvmesh.quant import gguf_weights
@@ -54,18 +54,20 @@ def read_quantization_config(path: Path) -> dict[str, Any] | None:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-               quantization: str | None = None, group_size: int | None = None, kernels: KernelConfig | None = None):
+               quantization: str | None = None, group_size: int | None = None, kernels: KernelConfig | None = None,
+               tp: TPGroup | None = None):
     """Build the model for `path` and load its weights; returns (model, ArchConfig).
 
     `quantization` ("int8" / "int4") quantizes a float checkpoint while loading, "gguf"
     loads the GGUF the folder came from kept quantized; a checkpoint whose config.json has
     a `quantization_config` (kvmesh, GPTQ, AWQ) is loaded quantized as stored; anything
-    else loads float weights.
+    else loads float weights. `tp`: this rank's tensor-parallel group; the model holds this
+    rank's shard (None: one rank, everything).
     """
     if quantization is None and read_quantization_config(path) is None:
-        return load_float_model(path, dtype, device, max_positions, kernels)
+        return load_float_model(path, dtype, device, max_positions, kernels, tp)
     return load_quantized_model(path, load_arch_config(path), dtype, device, max_positions, quantization, group_size,
-                                kernels)
+                                kernels, tp)
 
 
 def quantization_id(path: Path, quantization: str | None, group_size: int | None) -> dict[str, Any] | None:
@@ -204,12 +206,12 @@ def _route_experts(weights: Iterable[tuple[str, torch.Tensor]],
 
 def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.device, max_positions: int,
                          quantization: str | None = None, group_size: int | None = None,
-                         kernels: KernelConfig | None = None):
+                         kernels: KernelConfig | None = None, tp: TPGroup | None = None):
     """Like models.loader.load_float_model, for quantized checkpoints or `--quantization`."""
     qc = read_quantization_config(path)
     tied = cfg.tie_word_embeddings
     with torch.device("meta"):
-        model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels))
+        model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels, tp))
     weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors(path)
     if qc is not None or quantization == gguf_weights.METHOD:
         if any(isinstance(m, FusedMoE) for m in model.modules()):
