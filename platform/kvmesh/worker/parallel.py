@@ -126,7 +126,15 @@ class TPRunner:
         return self._call("execute", (sched,), lambda: self.local.execute(sched, **kwargs))
 
     def forget(self, request_id: str) -> None:
-        self._call("forget", (request_id,), lambda: self.local.forget(request_id))
+        """Never raises: the engine forgets the requests of a failed step while failing them,
+        and a group that is down has nothing left to forget on the other ranks."""
+        if self.broken is not None:
+            self.local.forget(request_id)
+            return
+        try:
+            self._call("forget", (request_id,), lambda: self.local.forget(request_id))
+        except RankFailedError:
+            self.local.forget(request_id)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """The unsharded KV of `block_ids` (every rank's heads, gathered to rank 0)."""
