@@ -14,6 +14,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,8 +31,10 @@ from kvmesh.kvstore import BlockCodec, create_store
 from kvmesh.kvstore.codec import load_mac_key
 from kvmesh.layers import kv_cache as kvq
 from kvmesh.models.arch import ArchConfig
+from kvmesh.layers.op import TPGroup
+from kvmesh.models.llama import check_tensor_parallel, local_kv_heads
 from kvmesh.models.loader import load_arch_config
-from kvmesh.quant.loader import load_model, quantization_id
+from kvmesh.quant.loader import load_model, quantization_id, read_quantization_config
 from kvmesh.rpc.internal_auth import InternalAuth
 from kvmesh.telemetry.workers import CacheSourceTracker
 from kvmesh.worker.executor import Executor, Proposer
@@ -40,6 +43,7 @@ from kvmesh.worker.kv_connector import StoreConnector
 from kvmesh.worker.kv_transfer import PulledKVLoader
 from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.model_runner import DTYPES, KVCacheSpec, ModelRunner
+from kvmesh.worker.parallel import START_TIMEOUT_S, TPRunner, start_group
 from kvmesh.worker.server import WorkerServer, WorkerServerConfig
 from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
 from kvmesh.worker.structured import GrammarCompiler, GrammarMasks
@@ -63,14 +67,10 @@ class EngineParts:
 
 def build_parts(config: EngineConfig | None = None, progress: bool = True) -> EngineParts:
     """Load the model and tokenizer, size the KV cache, build runner, proposer and the
-    shared-store connector."""
+    shared-store connector. With tensor_parallel_size > 1 the runner is a TPRunner: ranks
+    1..tp-1 are spawned here and load their shards while this process loads rank 0's."""
     config = config or EngineConfig()
     mc, cc = config.model, config.cache
-    if config.parallel.world_size > 1:
-        raise ConfigError("parallel: tensor / pipeline parallel sizes above 1 are not served by this build; "
-                          "use tensor_parallel_size=1 and pipeline_parallel_size=1")
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
     device = torch.device(mc.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("model.device: CUDA requested but torch sees no GPU; use --device cpu")
@@ -79,6 +79,10 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     dtype_name = resolve_dtype(mc.dtype, device)
     dtype = DTYPES[dtype_name]
     arch = load_arch_config(path)
+    tp = _check_parallel(config, arch, device, path)
+    threads = config.num_threads or torch.get_num_threads()
+    if config.num_threads or tp > 1:
+        torch.set_num_threads(max(1, threads // tp))  # the ranks share this machine's cores
     limit = arch.max_position_embeddings
     if mc.max_model_len is not None and mc.max_model_len > arch.max_position_embeddings:
         raise ConfigError(
@@ -86,10 +90,10 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
             f"max_position_embeddings ({arch.max_position_embeddings})"
         )
     max_model_len = mc.max_model_len or limit
-    model, arch = load_model(path, dtype, device, max_model_len + 1, mc.quantization, mc.quantization_group_size,
-                             config.kernels)
+    max_positions = max_model_len + 1
     kv_quant = kvq.resolve(cc.kv_cache_dtype, device)  # None: K/V in the model's dtype
-    spec = KVCacheSpec(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype, kv_quant)
+    # Each rank's cache holds its share of the KV heads; the budget (num_blocks, kv_cache_memory_gb) is per rank.
+    spec = KVCacheSpec(arch.num_layers, cc.block_size, local_kv_heads(arch, tp), arch.head_dim, dtype, kv_quant)
     num_blocks = cc.num_blocks or _auto_num_blocks(config, spec, device)
     capacity = (num_blocks - 1) * cc.block_size
     # Every layer sliding: a request holds about a window of blocks, however long (the engine
@@ -108,31 +112,93 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
         path, {"dtype": dtype_name, "block_size": cc.block_size,
                "quantization": quantization_id(path, mc.quantization, mc.quantization_group_size)}
     )
-    graph_batch = min(config.cuda_graph_max_batch_size, config.scheduler.max_num_seqs) if config.cuda_graphs else 0
     eos_ids = _eos_token_ids(path, tokenizer, arch)
     # Structured outputs: grammars over this tokenizer, EOS as their stop tokens (worker/structured.py).
     grammar = GrammarMasks(GrammarCompiler(tokenizer, arch.vocab_size, eos_ids))
-    lora = _build_lora(config, model, device, dtype)
-    runner = ModelRunner(model, arch, cc.block_size, num_blocks, device, seed=mc.seed,
-                         attention_backend=config.attention_backend, cuda_graph_max_batch=graph_batch,
-                         max_model_len=max_model_len, kernels=config.kernels, grammar=grammar, lora=lora,
-                         kv_quant=kv_quant)
+    load = partial(_load_runner, config, path, max_positions, max_model_len, num_blocks)
+    if tp > 1:
+        runner = _start_tensor_parallel(config, arch, tp, max(1, threads // tp), load, grammar)
+    else:
+        runner = load(None, grammar, lora=True)
+    model = runner.model
     proposer = None
     if config.speculative is not None:
         proposer = _build_proposer(config, config.speculative, path, model, arch, max_model_len, num_blocks)
     connector = None
     if config.kv_store:
         # KVMESH_KV_HMAC_KEY set: blocks in the shared store are authenticated (kvstore/codec.py).
-        # (an 8-bit cache's blocks are stored as such, scales included, under keys of their own)
-        codec = BlockCodec(fingerprint, spec.kv_dtype_name, cc.block_size, arch.num_layers, arch.num_kv_heads,
+        # (an 8-bit cache's blocks are stored as such, scales included, under keys of their own;
+        # a tensor-parallel group's blocks hold every KV head, as TP=1's: see worker/parallel.py)
+        codec = BlockCodec(fingerprint, runner.spec.kv_dtype_name, cc.block_size, arch.num_layers, arch.num_kv_heads,
                            arch.head_dim, mac_key=load_mac_key())
         connector = StoreConnector(create_store(config.kv_store), codec, runner, config.kv_store_ttl_s)
     info = ModelInfo(path=str(path), fingerprint=fingerprint, vocab_size=arch.vocab_size,
                      max_model_len=max_model_len, eos_token_id=_eos_token_id(tokenizer, arch),
                      eos_token_ids=eos_ids, kv_window=arch.kv_window)
-    logger.info("kvmesh engine: %s, %d KV blocks x %d tokens (%s), max_model_len %d",
-                path, num_blocks, cc.block_size, spec.kv_dtype_name, max_model_len)
+    logger.info("kvmesh engine: %s, %d KV blocks x %d tokens (%s), max_model_len %d, tensor parallel %d",
+                path, num_blocks, cc.block_size, spec.kv_dtype_name, max_model_len, tp)
     return EngineParts(config, tokenizer, info, arch, Executor(runner, proposer), connector)
+
+
+def _load_runner(config: EngineConfig, path: Path, max_positions: int, max_model_len: int, num_blocks: int,
+                 tp: TPGroup | None, grammar: GrammarMasks | None = None, lora: bool = False) -> ModelRunner:
+    """Load the model (this rank's shard of it, for a `tp` group) and build its runner: the
+    same on every rank of a group, so their layers and collectives match. Ranks other than 0
+    get no grammar (they do not sample) and no adapters."""
+    mc, cc = config.model, config.cache
+    device = torch.device(mc.device)
+    dtype = DTYPES[resolve_dtype(mc.dtype, device)]
+    model, arch = load_model(path, dtype, device, max_positions, mc.quantization, mc.quantization_group_size,
+                             config.kernels, tp)
+    graph_batch = min(config.cuda_graph_max_batch_size, config.scheduler.max_num_seqs) if config.cuda_graphs else 0
+    return ModelRunner(model, arch, cc.block_size, num_blocks, device, seed=mc.seed,
+                       attention_backend=config.attention_backend, cuda_graph_max_batch=graph_batch,
+                       max_model_len=max_model_len, kernels=config.kernels, grammar=grammar,
+                       lora=_build_lora(config, model, device, dtype) if lora else None,
+                       kv_quant=kvq.resolve(cc.kv_cache_dtype, device),
+                       num_kv_heads=local_kv_heads(arch, tp.size if tp else 1), driver=tp is None or tp.rank == 0)
+
+
+def _start_tensor_parallel(config: EngineConfig, arch: ArchConfig, tp: int, threads: int,
+                           load: Callable[..., ModelRunner], grammar: GrammarMasks) -> TPRunner:
+    """Spawn ranks 1..tp-1 (each runs `load` with its group), load rank 0 here meanwhile,
+    and wrap them as one runner. A failure on any rank stops them all."""
+    group, ranks, store = start_group(tp, threads, load)
+    try:
+        local = load(group, grammar)
+        ranks.wait_ready(START_TIMEOUT_S)
+    except BaseException:
+        ranks.close()
+        raise
+    return TPRunner(local, ranks, arch.num_kv_heads, group, store)
+
+
+def _check_parallel(config: EngineConfig, arch: ArchConfig, device: torch.device, path: Path) -> int:
+    """The tensor parallel size, after refusing what this build cannot shard (ConfigError)."""
+    pc = config.parallel
+    if pc.pipeline_parallel_size > 1:
+        raise ConfigError("parallel.pipeline_parallel_size: pipeline parallelism is not served by this build; "
+                          "use pipeline_parallel_size=1 (tensor_parallel_size shards the model instead)")
+    tp = pc.tensor_parallel_size
+    if tp == 1:
+        return 1
+    if device.type != "cpu" or pc.distributed_backend == "nccl":
+        raise ConfigError("parallel.tensor_parallel_size: tensor parallelism runs on CPU over gloo in this build; "
+                          "use --device cpu (distributed_backend auto / gloo) or tensor_parallel_size=1")
+    try:
+        check_tensor_parallel(arch, tp)
+    except ValueError as exc:
+        raise ConfigError(f"parallel.tensor_parallel_size: {exc}") from None
+    if config.speculative is not None and config.speculative.method == "draft":
+        raise ConfigError("speculative.method: a draft model is not tensor-parallel; use method 'ngram' "
+                          "or tensor_parallel_size=1")
+    if config.lora is not None:
+        raise ConfigError("lora: adapters are not sharded over tensor-parallel ranks; use tensor_parallel_size=1")
+    if config.model.quantization == "gguf" or read_quantization_config(path):
+        raise ConfigError("model.quantization: stored quantized weights (GGUF / GPTQ / AWQ / kvmesh) are not "
+                          "sharded yet; load the float checkpoint with quantization int8 / int4, or "
+                          "tensor_parallel_size=1")
+    return tp
 
 
 def build_engine(config: EngineConfig | None = None, progress: bool = True, **kwargs) -> LLMEngine:

@@ -95,3 +95,9 @@ class RateLimitedError(ResourceExhaustedError):
 
     def __str__(self) -> str:
         return self.reason
+
+
+class RankFailedError(KVMeshError, RuntimeError):
+    """A rank of a tensor-parallel group died, failed or stopped answering (worker/parallel.py):
+    the group cannot run another step and reports itself unhealthy until it is restarted
+    (gRPC UNAVAILABLE)."""

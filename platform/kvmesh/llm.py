@@ -31,6 +31,16 @@ class LLM:
         self.engine = build_engine(config, progress=progress)
         self._counter = 0
 
+    def close(self) -> None:
+        """Stop the engine's rank processes (tensor parallel); garbage collection does it too."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -157,7 +157,7 @@ class AsyncLLMEngine:
         if since is not None and time.monotonic() - since > self.step_timeout_s:
             return False, (f"engine step running for {time.monotonic() - since:.0f}s, over the "
                            f"{self.step_timeout_s:g}s watchdog (scheduler.step_timeout_s)")
-        return True, ""
+        return self.engine.executor_health()
 
     async def cache_prompt(self, name: str, prompt: str | list[int], ttl_s: float | None = None) -> int:
         """LLMEngine.cache_prompt without blocking the event loop: the pin runs as a normal
@@ -348,6 +348,7 @@ class AsyncLLMEngine:
         await asyncio.wait_for(_idle(), timeout)
 
     async def shutdown(self) -> None:
+        """Stop the step loop and the executor's processes (a tensor-parallel group's ranks)."""
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
@@ -355,3 +356,4 @@ class AsyncLLMEngine:
             except (asyncio.CancelledError, Exception):
                 pass
             self._loop_task = None
+        await self._step_thread.run(self.engine.close)

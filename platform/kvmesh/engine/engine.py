@@ -349,6 +349,17 @@ class LLMEngine:
                 self.kv_connector.forget(rid)
             self.executor.forget(rid)
 
+    def executor_health(self) -> tuple[bool, str]:
+        """The executor's (healthy, why not): a tensor-parallel group is down once a rank died."""
+        check = getattr(self.executor, "health", None)
+        return check() if check is not None else (True, "")
+
+    def close(self) -> None:
+        """Stop the executor's processes (rank processes of a tensor-parallel group); idempotent."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._buffered)
 

@@ -71,6 +71,15 @@ class ModelExecutor(Protocol):
         """Inverse of read_blocks."""
         ...
 
+    def health(self) -> tuple[bool, str]:
+        """(healthy, why not). Optional: an executor without it is always healthy (a
+        tensor-parallel one is not once a rank died)."""
+        ...
+
+    def close(self) -> None:
+        """Release what lives outside this process (rank processes). Optional."""
+        ...
+
 
 class KVLoader(Protocol):
     """Source of KV computed elsewhere (a shared store, a prefill worker).

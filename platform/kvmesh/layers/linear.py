@@ -263,13 +263,20 @@ class Linear(CustomOp):
         fast_paths_changed()
         return super()._apply(fn, recurse)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-        """Copy a full checkpoint tensor (weight or bias) into `param`: this rank's slice of it."""
+    def local_slice(self, loaded: torch.Tensor, shard: str | None = None) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor (weight or bias; a row-parallel
+        layer's bias is whole: it is added once, after the reduce). Quantized loading cuts the
+        float tensors with it before quantizing them (quant/loader.py)."""
         tp = self.ctx.tp
         if self.parallel == "column" and loaded.shape[0] == self.full_out_features:
-            loaded = loaded.narrow(0, tp.rank * self.out_features, self.out_features)
-        elif self.parallel == "row" and loaded.dim() == 2 and loaded.shape[1] == self.full_in_features:
-            loaded = loaded.narrow(1, tp.rank * self.in_features, self.in_features)
+            return loaded.narrow(0, tp.rank * self.out_features, self.out_features)
+        if self.parallel == "row" and loaded.dim() == 2 and loaded.shape[1] == self.full_in_features:
+            return loaded.narrow(1, tp.rank * self.in_features, self.in_features)
+        return loaded
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """Copy a full checkpoint tensor (weight or bias) into `param`: this rank's slice of it."""
+        loaded = self.local_slice(loaded)
         if param.shape != loaded.shape:
             raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs model {tuple(param.shape)}")
         param.data.copy_(loaded)
@@ -282,30 +289,53 @@ class Linear(CustomOp):
 
 class MergedColumnLinear(Linear):
     """Several projections of the same input stacked on the output dim (q / k / v, gate / up),
-    each column-split across ranks; `offsets` are this rank's (start, size) per shard."""
+    each column-split across ranks; `offsets` are this rank's (start, size) per shard.
 
-    def __init__(self, in_features: int, out_sizes: dict[str, int], bias: bool, ctx: OpContext | None = None):
+    `replicas[name]` ranks share one slice of that projection (default 1): K / V with fewer
+    KV heads than ranks are split into num_kv_heads slices, rank r holding slice
+    r // (tp / num_kv_heads), so every query head finds its KV head on its own rank."""
+
+    def __init__(self, in_features: int, out_sizes: dict[str, int], bias: bool, ctx: OpContext | None = None,
+                 replicas: dict[str, int] | None = None):
         ctx = ctx or OpContext()
-        super().__init__(in_features, sum(out_sizes.values()), bias=bias, ctx=ctx,
-                         parallel="column" if ctx.tp.size > 1 else "replicated")
+        tp = ctx.tp.size
+        self.replicas = {name: (replicas or {}).get(name, 1) for name in out_sizes}
+        locals_ = {}
+        for name, size in out_sizes.items():
+            reps = self.replicas[name]
+            if tp % reps:
+                raise ValueError(f"projection {name!r}: {reps} replicas do not divide the tensor parallel size {tp}")
+            locals_[name] = _shard(size, tp // reps, f"projection {name!r}")
+        super().__init__(in_features, sum(locals_.values()) * tp, bias=bias, ctx=ctx,
+                         parallel="column" if tp > 1 else "replicated")
+        self.full_out_features = sum(out_sizes.values())
         self.full_sizes = dict(out_sizes)
         self.offsets: dict[str, tuple[int, int]] = {}
         start = 0
-        for name, size in out_sizes.items():
-            local = _shard(size, ctx.tp.size, f"projection {name!r}")
+        for name, local in locals_.items():
             self.offsets[name] = (start, local)
             start += local
+
+    def local_slice(self, loaded: torch.Tensor, shard: str | None = None) -> torch.Tensor:
+        """This rank's rows of one checkpoint projection (`shard`), or, for None, of a tensor
+        storing every projection fused (Phi-3), as this layer stacks them."""
+        if shard is None:
+            parts = loaded.split(list(self.full_sizes.values()), dim=0)
+            return torch.cat([self.local_slice(part, name) for name, part in zip(self.full_sizes, parts)])
+        if shard not in self.offsets:
+            raise ValueError(f"unknown shard {shard!r}; this layer has {sorted(self.offsets)}")
+        size, full = self.offsets[shard][1], self.full_sizes[shard]
+        if loaded.shape[0] != full:
+            raise ValueError(f"shard {shard}: checkpoint has {loaded.shape[0]} rows, expected {full}")
+        return loaded.narrow(0, (self.ctx.tp.rank // self.replicas[shard]) * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         """Copy one checkpoint projection (e.g. "k"), weight or bias, into its rows of the fused param."""
         if shard not in self.offsets:
             raise ValueError(f"unknown shard {shard!r}; this layer has {sorted(self.offsets)}")
+        local = self.local_slice(loaded, shard)
         start, size = self.offsets[shard]
-        full = self.full_sizes[shard]
-        if loaded.shape[0] != full:
-            raise ValueError(f"shard {shard}: checkpoint has {loaded.shape[0]} rows, expected {full}")
-        tp = self.ctx.tp
-        param.data.narrow(0, start, size).copy_(loaded.narrow(0, tp.rank * size, size))
+        param.data.narrow(0, start, size).copy_(local)
         self.invalidate()
 
 

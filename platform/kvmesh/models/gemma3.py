@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from kvmesh.layers.attention import AttentionBackend, AttentionMetadata
-from kvmesh.layers.linear import Linear
+from kvmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_vocab
 from kvmesh.layers.norm import RMSNorm
 from kvmesh.layers.op import OpContext
 from kvmesh.models.arch import ArchConfig
-from kvmesh.models.llama import CausalLMWeights, LlamaAttention, LlamaMLP
+from kvmesh.models.llama import CausalLMWeights, LlamaAttention, LlamaMLP, check_tensor_parallel
 from kvmesh.models.rope import RotaryEmbedding
 
 
@@ -45,7 +45,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int, ctx: OpContext):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, ctx, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx, offset=cfg.norm_offset)
         self.rotary = RotaryEmbedding(cfg, max_positions)
@@ -56,12 +56,10 @@ class Gemma3ForCausalLM(CausalLMWeights):
     def __init__(self, cfg: ArchConfig, max_positions: int, ctx: OpContext | None = None):
         super().__init__()
         ctx = ctx or OpContext()
-        if ctx.tp.size > 1:
-            raise ValueError("tensor parallelism: the embedding and lm_head are not vocab-parallel yet; "
-                             "run with tensor parallel size 1")
-        self.cfg, self.max_positions = cfg, max_positions
+        check_tensor_parallel(cfg, ctx.tp.size)
+        self.cfg, self.max_positions, self.tp = cfg, max_positions, ctx.tp
         self.model = Gemma3Model(cfg, max_positions, ctx)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ctx=ctx)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, ctx)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.decode_stack = None  # csrc/decode_stack.cpp runs Llama-shaped layers only
@@ -83,4 +81,4 @@ class Gemma3ForCausalLM(CausalLMWeights):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+        return gather_vocab(self.lm_head(self.model.norm(hidden)), self.tp, self.cfg.vocab_size).float()

@@ -20,6 +20,7 @@ from torch import nn
 from kvmesh.layers.activation import ACTIVATIONS
 from kvmesh.layers.attention import AttentionBackend, AttentionMetadata
 from kvmesh.layers.decode_stack import DecodeStack, StackLayer
+from kvmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gather_vocab
 from kvmesh.layers.linear import Linear, MergedColumnLinear
 from kvmesh.layers.moe import FusedMoE, expert_tensor
 from kvmesh.layers.norm import RMSNorm
@@ -28,6 +29,26 @@ from kvmesh.layers.rotary import RotaryQKV
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.moe import SparseMoeBlock, expert_keys
 from kvmesh.models.rope import RotaryEmbedding
+
+
+def local_kv_heads(cfg: ArchConfig, tp: int) -> int:
+    """KV heads per rank: num_kv_heads / tp, or 1 when there are fewer KV heads than ranks
+    (each then replicated on tp / num_kv_heads ranks). See `check_tensor_parallel`."""
+    return max(1, cfg.num_kv_heads // tp)
+
+
+def check_tensor_parallel(cfg: ArchConfig, tp: int) -> None:
+    """Raise ValueError naming the dimension that `tp` ranks cannot split evenly."""
+    dims = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size}
+    if cfg.moe_layers:
+        dims["moe_intermediate_size"] = cfg.moe_intermediate_size
+    for name, size in dims.items():
+        if size % tp:
+            raise ValueError(f"{name} ({size}) is not divisible by the tensor parallel size {tp}")
+    kv = cfg.num_kv_heads
+    if (kv % tp if kv >= tp else tp % kv):
+        raise ValueError(f"num_key_value_heads ({kv}) and the tensor parallel size {tp} must divide one "
+                         "another (KV heads are split over the ranks, or replicated when fewer)")
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -40,9 +61,11 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, ctx: OpContext, layer_idx: int = 0):
         super().__init__()
         tp = ctx.tp.size
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp, local_kv_heads(cfg, tp), cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedColumnLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.qkv_bias, ctx=ctx)
+        reps = tp // (cfg.num_kv_heads // self.num_kv_heads)  # ranks sharing a KV head (1: split)
+        self.qkv_proj = MergedColumnLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, bias=cfg.qkv_bias, ctx=ctx,
+                                           replicas={"k": reps, "v": reps})
         self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.o_bias, ctx=ctx, parallel="row")
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -113,7 +136,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int, ctx: OpContext):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
         self.rotary = RotaryEmbedding(cfg, max_positions)
@@ -210,20 +233,21 @@ class LlamaForCausalLM(CausalLMWeights):
     def __init__(self, cfg: ArchConfig, max_positions: int, ctx: OpContext | None = None):
         super().__init__()
         ctx = ctx or OpContext()
-        if ctx.tp.size > 1:
-            raise ValueError("tensor parallelism: the model layers shard, but the embedding and lm_head are "
-                             "not vocab-parallel yet; run with tensor parallel size 1")
-        self.cfg, self.max_positions = cfg, max_positions
+        check_tensor_parallel(cfg, ctx.tp.size)
+        self.cfg, self.max_positions, self.tp = cfg, max_positions, ctx.tp
         if cfg.architecture in FUSED_CHECKPOINTS:
             self.packed_modules = {}  # its checkpoint names are the fused modules' own
         self.model = LlamaModel(cfg, max_positions, ctx)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, ctx=ctx)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, ctx)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn = self.model.layers[0].self_attn
+        # Tensor parallel: off. csrc/decode_stack.cpp runs all layers in one call and cannot
+        # all-reduce between a row-parallel GEMM and the next norm (Linear.stack_form is None
+        # for those layers too); each rank runs the layer loop on the same native kernels.
         self.decode_stack = (DecodeStack(lambda: [layer.stack_layer() for layer in self.model.layers],
                                          attn.num_heads, attn.num_kv_heads, cfg.rms_norm_eps, attn.scale, ctx)
-                             if runs_decode_stack(cfg) else None)
+                             if runs_decode_stack(cfg) and ctx.tp.size == 1 else None)
 
     def init_rotary(self, device) -> None:
         """(Re)build the RoPE tables: non-persistent buffers that meta init leaves empty; they
@@ -250,4 +274,5 @@ class LlamaForCausalLM(CausalLMWeights):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+        """(T, hidden) -> (T, vocab) float32 logits, whole on every rank (gather_vocab)."""
+        return gather_vocab(self.lm_head(self.model.norm(hidden)), self.tp, self.cfg.vocab_size).float()

@@ -13,7 +13,7 @@ import torch
 
 from kvmesh.checkpoint.files import iter_safetensors, load_tokenizer, model_fingerprint, resolve_model_path
 from kvmesh.config import KernelConfig
-from kvmesh.layers.op import OpContext
+from kvmesh.layers.op import OpContext, TPGroup
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.registry import model_class
 
@@ -26,16 +26,19 @@ def load_arch_config(path: Path) -> ArchConfig:
         return ArchConfig.from_hf(json.load(f))
 
 
-def op_context(device, dtype: torch.dtype, kernels: KernelConfig | None) -> OpContext:
-    """The context every layer of a model built for `device` / `dtype` picks its backend from."""
-    return OpContext(torch.device(device), dtype, kernels or KernelConfig())
+def op_context(device, dtype: torch.dtype, kernels: KernelConfig | None, tp: TPGroup | None = None) -> OpContext:
+    """The context every layer of a model built for `device` / `dtype` picks its backend from;
+    `tp`: this rank's tensor-parallel group (None: one rank)."""
+    return OpContext(torch.device(device), dtype, kernels or KernelConfig(), tp or TPGroup())
 
 
-def load_float_model(path: Path, dtype, device, max_positions: int, kernels: KernelConfig | None = None):
-    """Build the float model for `path` and load its weights; returns (model, ArchConfig)."""
+def load_float_model(path: Path, dtype, device, max_positions: int, kernels: KernelConfig | None = None,
+                     tp: TPGroup | None = None):
+    """Build the float model for `path` and load its weights (this rank's shard of them, for
+    a `tp` group of several ranks); returns (model, ArchConfig)."""
     cfg = load_arch_config(path)
     with torch.device("meta"):
-        model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels))
+        model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels, tp))
     # Materialize uninitialized storage: every parameter is overwritten by the load.
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor

@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,10 @@ from torch import nn
 from kvmesh.checkpoint.files import iter_safetensors
 from kvmesh.config import KernelConfig
 from kvmesh.errors import ConfigError
+from kvmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding, vocab_shard
 from kvmesh.layers.linear import Linear
 from kvmesh.layers.moe import FusedMoE, expert_tensor
-from kvmesh.layers.op import fast_paths_changed
+from kvmesh.layers.op import TPGroup, fast_paths_changed
 from kvmesh.models.loader import load_arch_config, load_float_model, op_context
 from kvmesh.models.registry import model_class
 from kvmesh.quant import gguf_weights
@@ -54,18 +56,20 @@ def read_quantization_config(path: Path) -> dict[str, Any] | None:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-               quantization: str | None = None, group_size: int | None = None, kernels: KernelConfig | None = None):
+               quantization: str | None = None, group_size: int | None = None, kernels: KernelConfig | None = None,
+               tp: TPGroup | None = None):
     """Build the model for `path` and load its weights; returns (model, ArchConfig).
 
     `quantization` ("int8" / "int4") quantizes a float checkpoint while loading, "gguf"
     loads the GGUF the folder came from kept quantized; a checkpoint whose config.json has
     a `quantization_config` (kvmesh, GPTQ, AWQ) is loaded quantized as stored; anything
-    else loads float weights.
+    else loads float weights. `tp`: this rank's tensor-parallel group; the model holds this
+    rank's shard (None: one rank, everything).
     """
     if quantization is None and read_quantization_config(path) is None:
-        return load_float_model(path, dtype, device, max_positions, kernels)
+        return load_float_model(path, dtype, device, max_positions, kernels, tp)
     return load_quantized_model(path, load_arch_config(path), dtype, device, max_positions, quantization, group_size,
-                                kernels)
+                                kernels, tp)
 
 
 def quantization_id(path: Path, quantization: str | None, group_size: int | None) -> dict[str, Any] | None:
@@ -145,7 +149,7 @@ def _swap(model: nn.Module, plan: dict[str, str], tied: bool, device: torch.devi
         old = model.get_submodule(target)
         if target == EMBED_NAME:
             module = QuantEmbedding(old.num_embeddings, old.embedding_dim, device, scheme,
-                                    native_gemm=kernels.cpu_kernels and kernels.quantized_cpu_gemm)
+                                    native_gemm=kernels.cpu_kernels and kernels.quantized_cpu_gemm, tp=old.tp)
         elif isinstance(old, Linear):
             if target == HEAD_NAME and tied:
                 raise ValueError("checkpoint: lm_head is quantized but tied to a float embedding")
@@ -164,6 +168,39 @@ def _swap(model: nn.Module, plan: dict[str, str], tied: bool, device: torch.devi
         module = new[target]
         routes[prefix] = (module.head if isinstance(module, QuantEmbedding) else module, shard)
     return routes
+
+
+def _tp_slicers(model: nn.Module, plan: dict[str, str]) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """{HF module path: cut one of its full float tensors (weight or bias) to this rank's part}
+    for every planned module of a tensor-parallel model, read off the float layers' layouts
+    before they are swapped: tensors are sharded first, then quantized, so each rank's
+    scales are its own rows' (int8 per row) or groups' (int4, within its columns)."""
+    slicers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    for prefix in plan:
+        target, shard = _target(model, prefix)
+        module = model.get_submodule(target)
+        if isinstance(module, VocabParallelEmbedding):
+            slicers[prefix] = partial(_vocab_rows, start=module.vocab_start, rows=module.num_local)
+        elif isinstance(module, ParallelLMHead):
+            slicers[prefix] = partial(_vocab_rows, start=module.ctx.tp.rank * module.out_features,
+                                      rows=module.out_features)
+        elif isinstance(module, Linear):
+            slicers[prefix] = partial(module.local_slice, shard=shard)
+    return slicers
+
+
+def _vocab_rows(tensor: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    out = tensor.new_empty((rows, *tensor.shape[1:]))
+    vocab_shard(tensor, out, start)
+    return out
+
+
+def _shard_stream(weights: Iterable[tuple[str, torch.Tensor]],
+                  slicers: dict[str, Callable[[torch.Tensor], torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        prefix, _, suffix = name.rpartition(".")
+        cut = slicers.get(prefix) if suffix in ("weight", "bias") else None
+        yield name, (tensor if cut is None else cut(tensor).contiguous())
 
 
 def _layer_key(path: str) -> str:
@@ -204,17 +241,21 @@ def _route_experts(weights: Iterable[tuple[str, torch.Tensor]],
 
 def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.device, max_positions: int,
                          quantization: str | None = None, group_size: int | None = None,
-                         kernels: KernelConfig | None = None):
+                         kernels: KernelConfig | None = None, tp: TPGroup | None = None):
     """Like models.loader.load_float_model, for quantized checkpoints or `--quantization`."""
     qc = read_quantization_config(path)
     tied = cfg.tie_word_embeddings
     with torch.device("meta"):
-        model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels))
+        model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels, tp))
     weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors(path)
     if qc is not None or quantization == gguf_weights.METHOD:
         if any(isinstance(m, FusedMoE) for m in model.modules()):
             raise ConfigError("model.quantization: quantized MoE checkpoints (GPTQ / AWQ / kvmesh / GGUF) are not "
                               "supported yet; load the float checkpoint with quantization int8 or int4")
+    if tp is not None and tp.size > 1 and (qc is not None or quantization == gguf_weights.METHOD):
+        raise ConfigError("model.quantization: stored quantized weights (GGUF / GPTQ / AWQ / kvmesh) are not "
+                          "sharded over tensor-parallel ranks yet; quantize the float checkpoint at load "
+                          "(int8 / int4) or use tensor_parallel_size=1")
     experts: dict[str, QuantFusedMoE] = {}
     if qc is not None:
         if quantization is not None:
@@ -230,7 +271,9 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
         method = get_method(quantization, group_size)
         fmt = KVMeshFormat()
         plan = _plan_from_method(model, method, tied)
-        experts = _swap_experts(model, method, device)
+        if tp is not None and tp.size > 1:
+            weights = _shard_stream(weights, _tp_slicers(model, plan))
+        experts = _swap_experts(model, method, device)  # (experts cut their own shards: layers/moe.py shard_sources)
         weights = method.quantize_state_dict(_route_experts(weights, experts), tied)
     routes = _swap(model, plan, tied, device, kernels or KernelConfig())
     model = model.to_empty(device=device)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kvmesh.layers.linear import SKINNY_KERNEL_ROWS, STACK_INT4, STACK_INT4_MINS, STACK_INT8
-from kvmesh.layers.op import fast_paths_changed
+from kvmesh.layers.op import TPGroup, fast_paths_changed
 from kvmesh.quant.kernels import int4_matmul, int4_native_layout, int8_matmul, int8_native_layout, native_usable
 from kvmesh.quant.primitives import dequantize_int4, dequantize_int8, unpack_int4
 
@@ -45,17 +45,23 @@ class QuantLinear(nn.Module):
         self._bias_loaded: set[str] = set()
         self._fast: tuple | None = None  # see _forward_args
         self.delta = None  # a LoRA delta(x, y), as Linear.set_delta (layers/lora.py)
+        # A row-parallel layer's group (layers/linear.py): partial products all-reduced, then
+        # the bias added once. None: nothing to reduce (one rank, or a column / replicated layer).
+        self.reduce_group: TPGroup | None = None
         for name in ("qweight", "scales", "zeros", "mins", "bias", "perm"):
             self.register_buffer(name, None)
 
     @classmethod
     def like(cls, scheme: str, linear: nn.Linear, device: torch.device | str) -> "QuantLinear":
-        """An empty quantized twin of `linear` (a layers.linear Linear or MergedColumnLinear)."""
-        if linear.ctx.tp.size > 1:
-            raise ValueError("quantized layers are not tensor-parallel yet; run with tensor parallel size 1")
+        """An empty quantized twin of `linear` (a layers.linear Linear or MergedColumnLinear),
+        with its tensor-parallel shape: this rank's rows / columns, loaded from float tensors cut
+        to this rank before quantizing (quant/loader.py)."""
         kernels = linear.ctx.kernels
-        return cls(scheme, linear.in_features, linear.out_features, linear.bias is not None,
-                   getattr(linear, "offsets", None), device, kernels.cpu_kernels and kernels.quantized_cpu_gemm)
+        module = cls(scheme, linear.in_features, linear.out_features, linear.bias is not None,
+                     getattr(linear, "offsets", None), device, kernels.cpu_kernels and kernels.quantized_cpu_gemm)
+        if linear.parallel == "row" and linear.ctx.tp.size > 1:
+            module.reduce_group = linear.ctx.tp
+        return module
 
     def _rows(self, shard: str | None) -> tuple[int, int]:
         key = shard or ""
@@ -173,6 +179,9 @@ class QuantLinear(nn.Module):
         xq = x if perm is None else x.index_select(-1, perm)
         y = (int8_matmul(xq, qweight, scales, native_ok) if is_int8
              else int4_matmul(xq, qweight, scales, offsets, mins, native_ok))
+        if self.reduce_group is not None:  # row-parallel: reduce the partials, then the bias once
+            y = self.reduce_group.all_reduce(y if self.delta is None else self.delta(x, y))
+            return y if bias is None else y + bias
         if bias is not None:
             y = y + bias
         return y if self.delta is None else self.delta(x, y)
@@ -187,7 +196,8 @@ class QuantLinear(nn.Module):
         """How the decode_stack op (layers/csrc/decode_stack.cpp) runs this layer for up to
         SKINNY_KERNEL_ROWS rows: what `forward` runs, the native kernel. None where forward
         would not use that kernel (no kernel here, act-order, other layouts)."""
-        if not self.native_gemm or not native_usable(SKINNY_KERNEL_ROWS, self.device) or self.perm is not None:
+        if (not self.native_gemm or not native_usable(SKINNY_KERNEL_ROWS, self.device) or self.perm is not None
+                or self.reduce_group is not None):
             return None
         is_int8, qweight, scales, offsets, mins, _, _, _ = self._fast or self._forward_args()
         if is_int8:
@@ -216,15 +226,26 @@ class QuantEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, device: torch.device | str = "cpu",
-                 scheme: str = "int8", native_gemm: bool = True):
+                 scheme: str = "int8", native_gemm: bool = True, tp: TPGroup | None = None):
+        """`tp`: vocabulary-parallel as layers/embedding.py's VocabParallelEmbedding (this rank
+        holds rows [rank * n, (rank + 1) * n) of the padded vocabulary, lookups all-reduced)."""
         super().__init__()
+        self.tp = tp or TPGroup()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.head = QuantLinear(scheme, embedding_dim, num_embeddings, bias=False, device=device,
+        self.num_local = -(-num_embeddings // self.tp.size)
+        self.vocab_start = self.tp.rank * self.num_local
+        self.head = QuantLinear(scheme, embedding_dim, self.num_local, bias=False, device=device,
                                 native_gemm=native_gemm)
         self.dtype = torch.float32
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head.dequantize_rows(ids, self.dtype)
+        if self.tp.size == 1:
+            return self.head.dequantize_rows(ids, self.dtype)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_local)
+        h = self.head.dequantize_rows(local.masked_fill(outside, 0), self.dtype)
+        h.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(h)
 
     def finalize(self, dtype: torch.dtype) -> None:
         self.head.finalize(dtype)

@@ -46,13 +46,15 @@ class QuantFusedMoE(nn.Module):
         if scheme not in ("int8", "int4"):
             raise ValueError(f"scheme: {scheme!r} is not one of ['int4', 'int8']")
         self.ctx = ctx or OpContext()
-        if self.ctx.tp.size > 1:
-            raise ValueError("quantized experts are not tensor-parallel yet; run with tensor parallel size 1")
+        tp = self.ctx.tp
         self.scheme, self.quantize, self.native_gemm = scheme, quantize, native_gemm
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size = hidden_size
-        self.full_intermediate_size = self.intermediate_size = intermediate_size
-        self.rows = {"w13": 2 * intermediate_size, "w2": hidden_size}
+        # Tensor parallel as FusedMoE: this rank's I / tp columns of every expert (cut from the
+        # float tensors by shard_sources before they are quantized), outputs all-reduced.
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_size = intermediate_size // tp.size
+        self.rows = {"w13": 2 * self.intermediate_size, "w2": hidden_size}
         self._names: dict[str, list[str]] = {p: [] for p in _PARAMS}
         self._loaded: set[tuple[int, str]] = set()
         self._fast: tuple | None = None
@@ -147,7 +149,8 @@ class QuantFusedMoE(nn.Module):
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
             return gemm(act(gemm(rows, w13, e)), w2, e)
 
-        return grouped_experts(x, weights, ids, self.num_experts, expert)
+        out = grouped_experts(x, weights, ids, self.num_experts, expert)
+        return self.ctx.tp.all_reduce(out)
 
     def dequantized(self, param: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float expert weights this module computes with: w13 (E, 2I, H) or w2 (E, H, I)."""

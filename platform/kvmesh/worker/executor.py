@@ -15,13 +15,14 @@ from kvmesh.engine.structured_outputs import StructuredOutputsParams
 from kvmesh.errors import InvalidRequestError
 from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.parallel import TPRunner
 from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
 
 Proposer = NgramProposer | DraftModelProposer
 
 
 class Executor:
-    def __init__(self, runner: ModelRunner, proposer: Proposer | None = None):
+    def __init__(self, runner: ModelRunner | TPRunner, proposer: Proposer | None = None):
         self.runner = runner
         self.proposer = proposer
         self.num_blocks = runner.num_blocks
@@ -68,3 +69,14 @@ class Executor:
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.runner.write_blocks(block_ids, data)
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, why not): a tensor-parallel runner's group can be down (worker/parallel.py)."""
+        check = getattr(self.runner, "health", None)
+        return check() if check is not None else (True, "")
+
+    def close(self) -> None:
+        """Stop what runs beside this process (a tensor-parallel group's rank processes)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()

@@ -84,14 +84,20 @@ class ModelRunner:
                  device: torch.device, seed: int = 0, attention_backend: str = "auto",
                  cuda_graph_max_batch: int = 0, max_model_len: int = 0, graph_recorder: GraphRecorder | None = None,
                  kernels: KernelConfig | None = None, grammar: GrammarMasks | None = None,
-                 lora: LoRAManager | None = None, kv_quant: str | None = None):
+                 lora: LoRAManager | None = None, kv_quant: str | None = None, num_kv_heads: int | None = None,
+                 driver: bool = True):
         """`cuda_graph_max_batch` > 0 captures decode graphs up to that batch (CUDA, or any
         device with a `graph_recorder`, for tests); `max_model_len` bounds their contexts.
         `grammar` masks the logits of requests with structured outputs (worker/structured.py);
         None ignores their specs (a draft model's runner: its drafts are checked by the target).
         `lora`: the adapters of a multi-LoRA engine (worker/lora.py); rows of a step run under
         their request's adapter (layers/lora.py). `kv_quant`: an 8-bit KV cache ("int8",
-        "fp8_e4m3"; layers/kv_cache.py), None: K/V in the model's dtype."""
+        "fp8_e4m3"; layers/kv_cache.py), None: K/V in the model's dtype.
+
+        Tensor parallel (worker/parallel.py): `num_kv_heads` is this rank's share of the KV
+        heads (default: all of the model's); a rank that is not the `driver` runs every step's
+        forward and logits (their collectives must match the driver's call for call) but
+        samples nothing: the driver samples once, on the gathered full logits."""
         self.model = model
         if device.type == "cpu" and (kernels is None or kernels.keep_host_memory):
             keep_freed_memory()  # activations stay mapped between steps (worker/host_memory.py)
@@ -101,7 +107,9 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, self.dtype, kv_quant)
+        self.driver = driver
+        self.spec = KVCacheSpec(arch.num_layers, block_size, num_kv_heads or arch.num_kv_heads, arch.head_dim,
+                                self.dtype, kv_quant)
         self.kv_caches = self._allocate_kv(num_blocks, device)
         self.kv_populate = populate_in_background([t for kv in self.kv_caches for t in kv]) \
             if device.type == "cpu" else None
@@ -205,6 +213,8 @@ class ModelRunner:
             idx = torch.cat([torch.arange(spans[i].q_start + spans[i].q_len - len(s.spec_token_ids) - 1,
                                           spans[i].q_start + spans[i].q_len) for i, s in speculating])
             spec_logits = self.model.compute_logits(hidden[idx.to(self.device)])
+            if not self.driver:
+                speculating = []
             if masks is not None:
                 masks.apply_spec(spec_logits)
             row = 0
@@ -218,6 +228,8 @@ class ModelRunner:
             return out
         last = torch.tensor([spans[i].q_start + spans[i].q_len - 1 for i, _ in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[last])
+        if not self.driver:
+            return out
         raw = logits.clone() if return_logits else None
         if masks is not None:
             masks.apply_sample(logits)

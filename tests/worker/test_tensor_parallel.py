@@ -1,0 +1,109 @@
+"""Tensor parallelism (worker/parallel.py): TP=2 over real gloo between two real processes
+gives TP=1's greedy tokens, token for token, with logits within fp32 all-reduce tolerance;
+a dead rank fails fast and takes the group out of service; no rank process outlives its engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from helpers import run_collecting_logits
+
+from kvmesh import SamplingParams
+from kvmesh.build import build_engine
+from kvmesh.errors import ConfigError, StepFailedError
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 12, 13]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+CASES = {
+    "llama": ({}, {}),
+    "qwen2-biases": ({"architecture": "qwen2"}, {}),
+    "qwen3-qk-norm": ({"architecture": "qwen3"}, {}),
+    "qwen3-moe": ({"architecture": "qwen3_moe"}, {}),
+    "kv-heads-replicated": ({"num_kv_heads": 1, "tie_word_embeddings": True}, {}),
+    "int8": ({}, {"quantization": "int8"}),
+}
+
+
+def _pair(path, **kwargs):
+    common = {"model": str(path), "progress": False, "block_size": 4, "num_blocks": 64, **kwargs}
+    return build_engine(**common), build_engine(tensor_parallel_size=2, **common)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_equals_tp1(model_factory, case):
+    model_kw, engine_kw = CASES[case]
+    one, two = _pair(model_factory(**model_kw), **engine_kw)
+    try:
+        ref, ref_logits = run_collecting_logits(one, PROMPTS, GREEDY)
+        got, logits = run_collecting_logits(two, PROMPTS, GREEDY)
+        assert got == ref
+        # int8: the row-parallel layers' rows are quantized per rank (their halves' own scales)
+        tol = 0.1 if engine_kw.get("quantization") else 1e-4
+        for rid in ref:
+            torch.testing.assert_close(torch.stack(logits[rid]), torch.stack(ref_logits[rid]), rtol=tol, atol=tol)
+        # KV leaves the group unsharded: the same blocks as TP=1's
+        torch.testing.assert_close(two.executor.read_blocks([1, 2]), one.executor.read_blocks([1, 2]),
+                                   rtol=tol, atol=tol)
+    finally:
+        two.close()
+
+
+def test_chunked_prefill_prefix_hits_and_preemption(model_factory):
+    """Small token budget (chunked prefill), repeated prompts (prefix hits) and too few blocks
+    for the batch (preemption): the same greedy text as TP=1, every block free again after."""
+    path = model_factory()
+    kw = dict(max_num_batched_tokens=8, num_blocks=14, enable_prefix_caching=True)
+    one, two = _pair(path, **kw)
+    prompts = [list(range(3, 20)), list(range(3, 20)), list(range(30, 41)), [7, 8, 9, 10, 11, 12]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    try:
+        ref, _ = run_collecting_logits(one, prompts, params)
+        got, _ = run_collecting_logits(two, prompts, params)
+        assert got == ref
+        assert two.num_free_blocks == two.num_usable_blocks
+    finally:
+        two.close()
+
+
+def test_dead_rank_fails_fast_and_marks_the_group_down(model_factory):
+    engine = build_engine(model=str(model_factory()), progress=False, block_size=4, num_blocks=32,
+                          tensor_parallel_size=2)
+    runner = engine.executor.runner
+    proc = runner.ranks.procs[0]
+    try:
+        assert engine.executor_health() == (True, "")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        engine.add_request("r", [5, 6, 7], GREEDY)
+        t0 = time.monotonic()
+        with pytest.raises(StepFailedError) as err:
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - t0 < 10
+        assert "tensor parallel" in str(err.value.cause)
+        ok, why = engine.executor_health()
+        assert not ok and "rank 1" in why
+        assert engine.num_free_blocks == engine.num_usable_blocks
+    finally:
+        engine.close()
+
+
+def test_close_stops_the_rank_processes(model_factory):
+    engine = build_engine(model=str(model_factory()), progress=False, block_size=4, num_blocks=32,
+                          tensor_parallel_size=2)
+    procs = list(engine.executor.runner.ranks.procs)
+    engine.close()
+    assert all(not p.is_alive() for p in procs)
+
+
+def test_unshardable_shapes_are_config_errors(model_factory):
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        build_engine(model=str(model_factory(num_heads=4, num_kv_heads=2)), progress=False, num_blocks=16,
+                     tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="pipeline"):
+        build_engine(model=str(model_factory()), progress=False, num_blocks=16, pipeline_parallel_size=2)
