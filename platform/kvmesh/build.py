@@ -31,7 +31,7 @@ from kvmesh.kvstore import BlockCodec, create_store
 from kvmesh.kvstore.codec import load_mac_key
 from kvmesh.layers import kv_cache as kvq
 from kvmesh.models.arch import ArchConfig
-from kvmesh.layers.op import TPGroup
+from kvmesh.layers.op import PipelineStage, TPGroup
 from kvmesh.models.llama import check_tensor_parallel, local_kv_heads
 from kvmesh.models.loader import load_arch_config
 from kvmesh.quant.loader import load_model, quantization_id, read_quantization_config
@@ -43,7 +43,8 @@ from kvmesh.worker.kv_connector import StoreConnector
 from kvmesh.worker.kv_transfer import PulledKVLoader
 from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.model_runner import DTYPES, KVCacheSpec, ModelRunner
-from kvmesh.worker.parallel import START_TIMEOUT_S, TPRunner, start_group
+from kvmesh.worker.parallel import START_TIMEOUT_S, GroupRunner, PPRunner, TPRunner, start_group
+from kvmesh.worker.pipeline import PipelineForward, PipelineGroup
 from kvmesh.worker.server import WorkerServer, WorkerServerConfig
 from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
 from kvmesh.worker.structured import GrammarCompiler, GrammarMasks
@@ -79,10 +80,11 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     dtype_name = resolve_dtype(mc.dtype, device)
     dtype = DTYPES[dtype_name]
     arch = load_arch_config(path)
-    tp = _check_parallel(config, arch, device, path)
+    tp, pp = _check_parallel(config, arch, device, path)
+    world = tp * pp
     threads = config.num_threads or torch.get_num_threads()
-    if config.num_threads or tp > 1:
-        torch.set_num_threads(max(1, threads // tp))  # the ranks share this machine's cores
+    if config.num_threads or world > 1:
+        torch.set_num_threads(max(1, threads // world))  # the ranks share this machine's cores
     limit = arch.max_position_embeddings
     if mc.max_model_len is not None and mc.max_model_len > arch.max_position_embeddings:
         raise ConfigError(
@@ -92,8 +94,10 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     max_model_len = mc.max_model_len or limit
     max_positions = max_model_len + 1
     kv_quant = kvq.resolve(cc.kv_cache_dtype, device)  # None: K/V in the model's dtype
-    # Each rank's cache holds its share of the KV heads; the budget (num_blocks, kv_cache_memory_gb) is per rank.
-    spec = KVCacheSpec(arch.num_layers, cc.block_size, local_kv_heads(arch, tp), arch.head_dim, dtype, kv_quant)
+    # Each rank's cache holds its share of the KV heads (tensor parallel) or of the layers
+    # (pipeline parallel: sized for the largest stage); the budget (num_blocks, kv_cache_memory_gb) is per rank.
+    stage_layers = max(len(PipelineStage(r, pp).layer_range(arch.num_layers)) for r in range(pp))
+    spec = KVCacheSpec(stage_layers, cc.block_size, local_kv_heads(arch, tp), arch.head_dim, dtype, kv_quant)
     num_blocks = cc.num_blocks or _auto_num_blocks(config, spec, device)
     capacity = (num_blocks - 1) * cc.block_size
     # Every layer sliding: a request holds about a window of blocks, however long (the engine
@@ -116,8 +120,9 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     # Structured outputs: grammars over this tokenizer, EOS as their stop tokens (worker/structured.py).
     grammar = GrammarMasks(GrammarCompiler(tokenizer, arch.vocab_size, eos_ids))
     load = partial(_load_runner, config, path, max_positions, max_model_len, num_blocks)
-    if tp > 1:
-        runner = _start_tensor_parallel(config, arch, tp, max(1, threads // tp), load, grammar)
+    if world > 1:
+        runner = _start_group(arch, "pipeline" if pp > 1 else "tensor", world, max(1, threads // world), load,
+                              grammar)
     else:
         runner = load(None, grammar, lora=True)
     model = runner.model
@@ -135,70 +140,88 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     info = ModelInfo(path=str(path), fingerprint=fingerprint, vocab_size=arch.vocab_size,
                      max_model_len=max_model_len, eos_token_id=_eos_token_id(tokenizer, arch),
                      eos_token_ids=eos_ids, kv_window=arch.kv_window)
-    logger.info("kvmesh engine: %s, %d KV blocks x %d tokens (%s), max_model_len %d, tensor parallel %d",
-                path, num_blocks, cc.block_size, spec.kv_dtype_name, max_model_len, tp)
+    logger.info("kvmesh engine: %s, %d KV blocks x %d tokens (%s), max_model_len %d, tensor parallel %d, "
+                "pipeline parallel %d", path, num_blocks, cc.block_size, spec.kv_dtype_name, max_model_len, tp, pp)
     return EngineParts(config, tokenizer, info, arch, Executor(runner, proposer), connector)
 
 
 def _load_runner(config: EngineConfig, path: Path, max_positions: int, max_model_len: int, num_blocks: int,
-                 tp: TPGroup | None, grammar: GrammarMasks | None = None, lora: bool = False) -> ModelRunner:
-    """Load the model (this rank's shard of it, for a `tp` group) and build its runner: the
-    same on every rank of a group, so their layers and collectives match. Ranks other than 0
-    get no grammar (they do not sample) and no adapters."""
+                 group: TPGroup | PipelineGroup | None, grammar: GrammarMasks | None = None,
+                 lora: bool = False) -> ModelRunner:
+    """Load the model (this rank's shard of it, for a tensor-parallel `group`; this stage's
+    layers, for a pipeline-parallel one) and build its runner: the same on every rank of a
+    group, so their layers and collectives match. Ranks other than 0 get no grammar (they do
+    not sample) and no adapters."""
     mc, cc = config.model, config.cache
     device = torch.device(mc.device)
     dtype = DTYPES[resolve_dtype(mc.dtype, device)]
+    tp = group if isinstance(group, TPGroup) else None
+    pp = PipelineStage(group.rank, group.size) if isinstance(group, PipelineGroup) else None
     model, arch = load_model(path, dtype, device, max_positions, mc.quantization, mc.quantization_group_size,
-                             config.kernels, tp)
+                             config.kernels, tp, pp)
     graph_batch = min(config.cuda_graph_max_batch_size, config.scheduler.max_num_seqs) if config.cuda_graphs else 0
     return ModelRunner(model, arch, cc.block_size, num_blocks, device, seed=mc.seed,
                        attention_backend=config.attention_backend, cuda_graph_max_batch=graph_batch,
                        max_model_len=max_model_len, kernels=config.kernels, grammar=grammar,
                        lora=_build_lora(config, model, device, dtype) if lora else None,
                        kv_quant=kvq.resolve(cc.kv_cache_dtype, device),
-                       num_kv_heads=local_kv_heads(arch, tp.size if tp else 1), driver=tp is None or tp.rank == 0)
+                       num_kv_heads=local_kv_heads(arch, tp.size if tp else 1),
+                       driver=group is None or group.rank == 0,
+                       pipeline=PipelineForward(group, arch.hidden_size, dtype, device) if pp else None,
+                       num_layers=len(pp.layer_range(arch.num_layers)) if pp else None)
 
 
-def _start_tensor_parallel(config: EngineConfig, arch: ArchConfig, tp: int, threads: int,
-                           load: Callable[..., ModelRunner], grammar: GrammarMasks) -> TPRunner:
-    """Spawn ranks 1..tp-1 (each runs `load` with its group), load rank 0 here meanwhile,
-    and wrap them as one runner. A failure on any rank stops them all."""
-    group, ranks, store = start_group(tp, threads, load)
+def _start_group(arch: ArchConfig, kind: str, size: int, threads: int, load: Callable[..., ModelRunner],
+                 grammar: GrammarMasks) -> GroupRunner:
+    """Spawn ranks 1..size-1 of a tensor- or pipeline-parallel group (each runs `load` with
+    its group), load rank 0 here meanwhile, and wrap them as one runner. A failure on any
+    rank stops them all."""
+    group, ranks, store = start_group(size, threads, load, kind=kind)
     try:
         local = load(group, grammar)
         ranks.wait_ready(START_TIMEOUT_S)
     except BaseException:
         ranks.close()
         raise
+    if kind == "pipeline":
+        return PPRunner(local, ranks, [PipelineStage(r, size).layer_range(arch.num_layers) for r in range(size)],
+                        group, store)
     return TPRunner(local, ranks, arch.num_kv_heads, group, store)
 
 
-def _check_parallel(config: EngineConfig, arch: ArchConfig, device: torch.device, path: Path) -> int:
-    """The tensor parallel size, after refusing what this build cannot shard (ConfigError)."""
+def _check_parallel(config: EngineConfig, arch: ArchConfig, device: torch.device, path: Path) -> tuple[int, int]:
+    """The (tensor, pipeline) parallel sizes, after refusing what this build cannot split (ConfigError)."""
     pc = config.parallel
-    if pc.pipeline_parallel_size > 1:
-        raise ConfigError("parallel.pipeline_parallel_size: pipeline parallelism is not served by this build; "
-                          "use pipeline_parallel_size=1 (tensor_parallel_size shards the model instead)")
-    tp = pc.tensor_parallel_size
-    if tp == 1:
-        return 1
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    if tp == 1 and pp == 1:
+        return 1, 1
+    what = "tensor_parallel_size" if pp == 1 else "pipeline_parallel_size"
+    if tp > 1 and pp > 1:
+        raise ConfigError("parallel: tensor and pipeline parallelism together are not served by this build; "
+                          "set one of tensor_parallel_size / pipeline_parallel_size to 1")
     if device.type != "cpu" or pc.distributed_backend == "nccl":
-        raise ConfigError("parallel.tensor_parallel_size: tensor parallelism runs on CPU over gloo in this build; "
-                          "use --device cpu (distributed_backend auto / gloo) or tensor_parallel_size=1")
-    try:
-        check_tensor_parallel(arch, tp)
-    except ValueError as exc:
-        raise ConfigError(f"parallel.tensor_parallel_size: {exc}") from None
+        raise ConfigError(f"parallel.{what}: tensor / pipeline parallelism runs on CPU over gloo in this build; "
+                          f"use --device cpu (distributed_backend auto / gloo) or {what}=1")
+    if tp > 1:
+        try:
+            check_tensor_parallel(arch, tp)
+        except ValueError as exc:
+            raise ConfigError(f"parallel.tensor_parallel_size: {exc}") from None
+    if pp > arch.num_layers:
+        raise ConfigError(f"parallel.pipeline_parallel_size: {pp} stages for {arch.num_layers} layers; "
+                          f"use at most {arch.num_layers}")
     if config.speculative is not None and config.speculative.method == "draft":
-        raise ConfigError("speculative.method: a draft model is not tensor-parallel; use method 'ngram' "
-                          "or tensor_parallel_size=1")
+        raise ConfigError(f"speculative.method: a draft model is not split over ranks; use method 'ngram' "
+                          f"or {what}=1")
     if config.lora is not None:
-        raise ConfigError("lora: adapters are not sharded over tensor-parallel ranks; use tensor_parallel_size=1")
+        raise ConfigError(f"lora: adapters are not split over tensor / pipeline parallel ranks; use {what}=1")
     if config.model.quantization == "gguf" or read_quantization_config(path):
         raise ConfigError("model.quantization: stored quantized weights (GGUF / GPTQ / AWQ / kvmesh) are not "
                           "sharded yet; load the float checkpoint with quantization int8 / int4, or "
-                          "tensor_parallel_size=1")
-    return tp
+                          f"{what}=1")
+    if config.cuda_graphs and device.type == "cuda":
+        raise ConfigError(f"cuda_graphs: not with {what} > 1 in this build")
+    return tp, pp
 
 
 def build_engine(config: EngineConfig | None = None, progress: bool = True, **kwargs) -> LLMEngine:

@@ -59,13 +59,43 @@ class TPGroup:
 
 
 @dataclass(frozen=True)
+class PipelineStage:
+    """Which layers of the model this rank builds: stage `rank` of `size` pipeline stages
+    holds a contiguous run of decoder layers (`layer_range`); stage 0 also holds the token
+    embedding, the final norm and the LM head (it samples, worker/pipeline.py). One stage
+    (the default): every layer."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"pipeline stage {self.rank} outside pipeline size {self.size}")
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    def layer_range(self, num_layers: int) -> range:
+        """This stage's decoder layers: num_layers // size each, the remainder one apiece on
+        the last stages (stage 0 also runs the embedding, LM head and sampling)."""
+        if num_layers < self.size:
+            raise ValueError(f"{num_layers} layers cannot be split over {self.size} pipeline stages")
+        base, extra = divmod(num_layers, self.size)
+        start = self.rank * base + max(0, self.rank - (self.size - extra))
+        return range(start, start + base + (1 if self.rank >= self.size - extra else 0))
+
+
+@dataclass(frozen=True)
 class OpContext:
-    """Everything a layer's backend choice depends on."""
+    """Everything a layer's backend choice depends on (and, for the models, which pipeline
+    stage's layers to build)."""
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
     kernels: KernelConfig = field(default_factory=KernelConfig)
     tp: TPGroup = field(default_factory=TPGroup)
+    pp: PipelineStage = field(default_factory=PipelineStage)
 
     @property
     def native(self) -> bool:

@@ -20,7 +20,8 @@ from kvmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding, gath
 from kvmesh.layers.norm import RMSNorm
 from kvmesh.layers.op import OpContext
 from kvmesh.models.arch import ArchConfig
-from kvmesh.models.llama import CausalLMWeights, LlamaAttention, LlamaMLP, check_tensor_parallel
+from kvmesh.models.llama import (CausalLMWeights, LlamaModel, LlamaAttention, LlamaMLP, check_tensor_parallel, first_stage,
+                                 stage_layers)
 from kvmesh.models.rope import RotaryEmbedding
 
 
@@ -45,11 +46,13 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int, ctx: OpContext):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, ctx, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx, offset=cfg.norm_offset)
+        self.embed_tokens = first_stage(ctx, lambda: VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx))
+        self.layers = stage_layers(cfg, ctx, lambda i: Gemma3DecoderLayer(cfg, ctx, i))
+        self.norm = first_stage(ctx, lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx, offset=cfg.norm_offset))
         self.rotary = RotaryEmbedding(cfg, max_positions)
         self.rotary_local = RotaryEmbedding(cfg, max_positions, local=True)
+
+    held_layers = LlamaModel.held_layers
 
 
 class Gemma3ForCausalLM(CausalLMWeights):
@@ -59,8 +62,8 @@ class Gemma3ForCausalLM(CausalLMWeights):
         check_tensor_parallel(cfg, ctx.tp.size)
         self.cfg, self.max_positions, self.tp = cfg, max_positions, ctx.tp
         self.model = Gemma3Model(cfg, max_positions, ctx)
-        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, ctx)
-        if cfg.tie_word_embeddings:
+        self.lm_head = first_stage(ctx, lambda: ParallelLMHead(cfg.hidden_size, cfg.vocab_size, ctx))
+        if cfg.tie_word_embeddings and ctx.pp.first:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.decode_stack = None  # csrc/decode_stack.cpp runs Llama-shaped layers only
 
@@ -69,14 +72,18 @@ class Gemma3ForCausalLM(CausalLMWeights):
         self.model.rotary_local = RotaryEmbedding(self.cfg, self.max_positions, local=True).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """Returns the final hidden states before the last norm, (T, hidden)."""
-        h = self.model.embed_tokens(input_ids)
-        # transformers casts the sqrt(hidden) scale to the weights' dtype first
-        h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
+                meta: AttentionMetadata, backend: AttentionBackend, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the hidden states after this stage's layers, before the last norm, (T,
+        hidden); a later pipeline stage gets the previous stage's `hidden` (see LlamaForCausalLM)."""
+        if hidden is None:
+            h = self.model.embed_tokens(input_ids)
+            # transformers casts the sqrt(hidden) scale to the weights' dtype first
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
+        else:
+            h = hidden
         rope = {False: self.model.rotary.cos_sin(positions, h.dtype),
                 True: self.model.rotary_local.cos_sin(positions, h.dtype)}
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.model.held_layers(), kv_caches):
             h = layer(h, *rope[layer.sliding], kv_cache, meta, backend)
         return h
 

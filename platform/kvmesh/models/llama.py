@@ -12,7 +12,7 @@ Phi-3's does, is split into the same shards).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -133,13 +133,37 @@ class LlamaDecoderLayer(nn.Module):
                           mlp.gate_up_proj, mlp.down_proj, attn.window)
 
 
+class MissingLayer(nn.Module):
+    """A module another pipeline stage holds (no parameters; never called): the model keeps
+    every layer's index, so checkpoint names match on every stage (vLLM's PPMissingLayer)."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this module lives on another pipeline stage")
+
+
+def stage_layers(cfg: ArchConfig, ctx: OpContext, make: Callable[[int], nn.Module]) -> nn.ModuleList:
+    """The decoder layers, built for this pipeline stage's range and MissingLayer elsewhere."""
+    held = ctx.pp.layer_range(cfg.num_layers)
+    return nn.ModuleList(make(i) if i in held else MissingLayer() for i in range(cfg.num_layers))
+
+
+def first_stage(ctx: OpContext, make: Callable[[], nn.Module]) -> nn.Module:
+    """A module of pipeline stage 0 only (embedding, final norm, LM head)."""
+    return make() if ctx.pp.first else MissingLayer()
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int, ctx: OpContext):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ctx, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
+        self.embed_tokens = first_stage(ctx, lambda: VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx))
+        self.layers = stage_layers(cfg, ctx, lambda i: LlamaDecoderLayer(cfg, ctx, i))
+        self.norm = first_stage(ctx, lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx))
         self.rotary = RotaryEmbedding(cfg, max_positions)
+
+    def held_layers(self) -> list[nn.Module]:
+        """This pipeline stage's decoder layers, in order (all of them with one stage): the
+        ones its KV caches (one per held layer) belong to."""
+        return [layer for layer in self.layers if not isinstance(layer, MissingLayer)]
 
 
 def runs_decode_stack(cfg: ArchConfig) -> bool:
@@ -168,6 +192,15 @@ class CausalLMWeights(nn.Module):
     renamed_modules = {".block_sparse_moe.": ".mlp."}
     cfg: ArchConfig
 
+    def holds(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` (HF naming) belongs to this pipeline stage: not to a
+        MissingLayer (another stage's layer, or stage 0's embedding / norm / LM head)."""
+        missing = self.__dict__.get("_missing")
+        if missing is None:
+            missing = self.__dict__["_missing"] = tuple(
+                f"{n}." for n, m in self.named_modules() if isinstance(m, MissingLayer))
+        return not missing or not name.startswith(missing)
+
     def _target(self, name: str) -> tuple[str, str | None, int | None]:
         """HF tensor name -> (parameter name, shard, expert id)."""
         for old, new in self.renamed_modules.items():
@@ -188,7 +221,7 @@ class CausalLMWeights(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or not self.holds(name):
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
@@ -238,14 +271,15 @@ class LlamaForCausalLM(CausalLMWeights):
         if cfg.architecture in FUSED_CHECKPOINTS:
             self.packed_modules = {}  # its checkpoint names are the fused modules' own
         self.model = LlamaModel(cfg, max_positions, ctx)
-        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, ctx)
-        if cfg.tie_word_embeddings:
+        self.lm_head = first_stage(ctx, lambda: ParallelLMHead(cfg.hidden_size, cfg.vocab_size, ctx))
+        if cfg.tie_word_embeddings and ctx.pp.first:
             self.lm_head.weight = self.model.embed_tokens.weight
-        attn = self.model.layers[0].self_attn
+        attn = self.model.held_layers()[0].self_attn
         # Tensor parallel: off. csrc/decode_stack.cpp runs all layers in one call and cannot
         # all-reduce between a row-parallel GEMM and the next norm (Linear.stack_form is None
         # for those layers too); each rank runs the layer loop on the same native kernels.
-        self.decode_stack = (DecodeStack(lambda: [layer.stack_layer() for layer in self.model.layers],
+        # Pipeline parallel: on, over the stage's own layers and KV caches.
+        self.decode_stack = (DecodeStack(lambda: [layer.stack_layer() for layer in self.model.held_layers()],
                                          attn.num_heads, attn.num_kv_heads, cfg.rms_norm_eps, attn.scale, ctx)
                              if runs_decode_stack(cfg) and ctx.tp.size == 1 else None)
 
@@ -261,15 +295,18 @@ class LlamaForCausalLM(CausalLMWeights):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Returns the final hidden states before the last norm, (T, hidden)."""
-        h = self.model.embed_tokens(input_ids)
+        """Returns the hidden states after this stage's layers, before the last norm, (T,
+        hidden): the final ones with one pipeline stage. A later stage gets the previous
+        stage's `hidden` instead of embedding `input_ids`."""
+        h = self.model.embed_tokens(input_ids) if hidden is None else hidden
         cos, sin = self.model.rotary.cos_sin(positions, h.dtype)
         if self.decode_stack is not None:
             out = self.decode_stack(h, cos, sin, kv_caches, meta, backend)
             if out is not None:
                 return out
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.model.held_layers(), kv_caches):
             h = layer(h, cos, sin, kv_cache, meta, backend)
         return h
 

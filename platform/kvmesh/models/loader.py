@@ -13,12 +13,12 @@ import torch
 
 from kvmesh.checkpoint.files import iter_safetensors, load_tokenizer, model_fingerprint, resolve_model_path
 from kvmesh.config import KernelConfig
-from kvmesh.layers.op import OpContext, TPGroup
+from kvmesh.layers.op import OpContext, PipelineStage, TPGroup
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.registry import model_class
 
 __all__ = ["iter_safetensors", "load_arch_config", "load_float_model", "load_tokenizer", "model_fingerprint",
-           "op_context", "resolve_model_path"]
+           "op_context", "resolve_model_path", "stage_weights"]
 
 
 def load_arch_config(path: Path) -> ArchConfig:
@@ -26,24 +26,32 @@ def load_arch_config(path: Path) -> ArchConfig:
         return ArchConfig.from_hf(json.load(f))
 
 
-def op_context(device, dtype: torch.dtype, kernels: KernelConfig | None, tp: TPGroup | None = None) -> OpContext:
+def op_context(device, dtype: torch.dtype, kernels: KernelConfig | None, tp: TPGroup | None = None,
+               pp: PipelineStage | None = None) -> OpContext:
     """The context every layer of a model built for `device` / `dtype` picks its backend from;
-    `tp`: this rank's tensor-parallel group (None: one rank)."""
-    return OpContext(torch.device(device), dtype, kernels or KernelConfig(), tp or TPGroup())
+    `tp`: this rank's tensor-parallel group (None: one rank); `pp`: its pipeline stage (None:
+    every layer)."""
+    return OpContext(torch.device(device), dtype, kernels or KernelConfig(), tp or TPGroup(), pp or PipelineStage())
+
+
+def stage_weights(model, weights):
+    """The checkpoint tensors this pipeline stage's model holds (all of them with one stage)."""
+    return ((name, tensor) for name, tensor in weights if model.holds(name))
 
 
 def load_float_model(path: Path, dtype, device, max_positions: int, kernels: KernelConfig | None = None,
-                     tp: TPGroup | None = None):
+                     tp: TPGroup | None = None, pp: PipelineStage | None = None):
     """Build the float model for `path` and load its weights (this rank's shard of them, for
-    a `tp` group of several ranks); returns (model, ArchConfig)."""
+    a `tp` group of several ranks; this stage's layers, for a `pp` stage); returns (model,
+    ArchConfig)."""
     cfg = load_arch_config(path)
     with torch.device("meta"):
-        model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels, tp))
+        model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels, tp, pp))
     # Materialize uninitialized storage: every parameter is overwritten by the load.
     model = model.to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor
+    if cfg.tie_word_embeddings and (pp is None or pp.first):  # to_empty gives each module its own tensor
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.load_weights(iter_safetensors(path))
+    model.load_weights(stage_weights(model, iter_safetensors(path)))
     model = model.to(dtype=dtype)
     model.init_rotary(device)
     model.eval()

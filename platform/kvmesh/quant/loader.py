@@ -38,8 +38,8 @@ from kvmesh.errors import ConfigError
 from kvmesh.layers.embedding import ParallelLMHead, VocabParallelEmbedding, vocab_shard
 from kvmesh.layers.linear import Linear
 from kvmesh.layers.moe import FusedMoE, expert_tensor
-from kvmesh.layers.op import TPGroup, fast_paths_changed
-from kvmesh.models.loader import load_arch_config, load_float_model, op_context
+from kvmesh.layers.op import PipelineStage, TPGroup, fast_paths_changed
+from kvmesh.models.loader import load_arch_config, load_float_model, op_context, stage_weights
 from kvmesh.models.registry import model_class
 from kvmesh.quant import gguf_weights
 from kvmesh.quant.formats import CheckpointFormat, KVMeshFormat, format_from_config
@@ -57,19 +57,20 @@ def read_quantization_config(path: Path) -> dict[str, Any] | None:
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
                quantization: str | None = None, group_size: int | None = None, kernels: KernelConfig | None = None,
-               tp: TPGroup | None = None):
+               tp: TPGroup | None = None, pp: PipelineStage | None = None):
     """Build the model for `path` and load its weights; returns (model, ArchConfig).
 
     `quantization` ("int8" / "int4") quantizes a float checkpoint while loading, "gguf"
     loads the GGUF the folder came from kept quantized; a checkpoint whose config.json has
     a `quantization_config` (kvmesh, GPTQ, AWQ) is loaded quantized as stored; anything
     else loads float weights. `tp`: this rank's tensor-parallel group; the model holds this
-    rank's shard (None: one rank, everything).
+    rank's shard (None: one rank, everything). `pp`: this rank's pipeline stage; the model
+    holds its layers (None: all of them).
     """
     if quantization is None and read_quantization_config(path) is None:
-        return load_float_model(path, dtype, device, max_positions, kernels, tp)
+        return load_float_model(path, dtype, device, max_positions, kernels, tp, pp)
     return load_quantized_model(path, load_arch_config(path), dtype, device, max_positions, quantization, group_size,
-                                kernels, tp)
+                                kernels, tp, pp)
 
 
 def quantization_id(path: Path, quantization: str | None, group_size: int | None) -> dict[str, Any] | None:
@@ -121,9 +122,11 @@ def _check_gguf_args(group_size: int | None) -> None:
 
 
 def _plan_from_method(model: nn.Module, method: QuantMethod, tied: bool) -> dict[str, str]:
-    plan = {EMBED_NAME: method.embedding_scheme()}
-    if not tied:
-        plan[HEAD_NAME] = method.embedding_scheme()
+    plan = {}
+    if model.holds(f"{EMBED_NAME}.weight"):  # on pipeline stage 0 only, like the LM head
+        plan[EMBED_NAME] = method.embedding_scheme()
+        if not tied:
+            plan[HEAD_NAME] = method.embedding_scheme()
     for name, _ in model.named_modules():
         if name.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             # Expand fused modules back to their HF shards: the stream has HF names.
@@ -241,13 +244,19 @@ def _route_experts(weights: Iterable[tuple[str, torch.Tensor]],
 
 def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.device, max_positions: int,
                          quantization: str | None = None, group_size: int | None = None,
-                         kernels: KernelConfig | None = None, tp: TPGroup | None = None):
+                         kernels: KernelConfig | None = None, tp: TPGroup | None = None,
+                         pp: PipelineStage | None = None):
     """Like models.loader.load_float_model, for quantized checkpoints or `--quantization`."""
     qc = read_quantization_config(path)
-    tied = cfg.tie_word_embeddings
+    pp = pp or PipelineStage()
+    tied = cfg.tie_word_embeddings and pp.first  # a later pipeline stage holds neither
     with torch.device("meta"):
-        model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels, tp))
-    weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors(path)
+        model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels, tp, pp))
+    weights: Iterable[tuple[str, torch.Tensor]] = stage_weights(model, iter_safetensors(path))
+    if pp.size > 1 and (qc is not None or quantization == gguf_weights.METHOD):
+        raise ConfigError("model.quantization: stored quantized weights (GGUF / GPTQ / AWQ / kvmesh) are not "
+                          "split over pipeline stages yet; quantize the float checkpoint at load "
+                          "(int8 / int4) or use pipeline_parallel_size=1")
     if qc is not None or quantization == gguf_weights.METHOD:
         if any(isinstance(m, FusedMoE) for m in model.modules()):
             raise ConfigError("model.quantization: quantized MoE checkpoints (GPTQ / AWQ / kvmesh / GGUF) are not "

@@ -25,6 +25,7 @@ from kvmesh.worker.cuda_graphs import DecodeGraphs, GraphRecorder
 from kvmesh.worker.host_memory import keep_freed_memory
 from kvmesh.worker.kv_memory import populate_in_background, zeroed_tensor
 from kvmesh.worker.lora import LoRAManager
+from kvmesh.worker.pipeline import PipelineForward
 from kvmesh.worker.prompt_logprobs import compute_prompt_logprobs
 from kvmesh.worker.sampler import ban_tokens, sample
 from kvmesh.worker.spec_decode import verify
@@ -85,7 +86,7 @@ class ModelRunner:
                  cuda_graph_max_batch: int = 0, max_model_len: int = 0, graph_recorder: GraphRecorder | None = None,
                  kernels: KernelConfig | None = None, grammar: GrammarMasks | None = None,
                  lora: LoRAManager | None = None, kv_quant: str | None = None, num_kv_heads: int | None = None,
-                 driver: bool = True):
+                 driver: bool = True, pipeline: PipelineForward | None = None, num_layers: int | None = None):
         """`cuda_graph_max_batch` > 0 captures decode graphs up to that batch (CUDA, or any
         device with a `graph_recorder`, for tests); `max_model_len` bounds their contexts.
         `grammar` masks the logits of requests with structured outputs (worker/structured.py);
@@ -97,7 +98,11 @@ class ModelRunner:
         Tensor parallel (worker/parallel.py): `num_kv_heads` is this rank's share of the KV
         heads (default: all of the model's); a rank that is not the `driver` runs every step's
         forward and logits (their collectives must match the driver's call for call) but
-        samples nothing: the driver samples once, on the gathered full logits."""
+        samples nothing: the driver samples once, on the gathered full logits.
+
+        Pipeline parallel (worker/pipeline.py): `pipeline` runs each step's forward through the
+        stages micro-batch by micro-batch; this stage's cache holds `num_layers` layers (its own).
+        A stage other than the driver (stage 0) stops after its part of the forward."""
         self.model = model
         if device.type == "cpu" and (kernels is None or kernels.keep_host_memory):
             keep_freed_memory()  # activations stay mapped between steps (worker/host_memory.py)
@@ -107,9 +112,9 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.driver = driver
-        self.spec = KVCacheSpec(arch.num_layers, block_size, num_kv_heads or arch.num_kv_heads, arch.head_dim,
-                                self.dtype, kv_quant)
+        self.driver, self.pipeline = driver, pipeline
+        self.spec = KVCacheSpec(num_layers or arch.num_layers, block_size, num_kv_heads or arch.num_kv_heads,
+                                arch.head_dim, self.dtype, kv_quant)
         self.kv_caches = self._allocate_kv(num_blocks, device)
         self.kv_populate = populate_in_background([t for kv in self.kv_caches for t in kv]) \
             if device.type == "cpu" else None
@@ -199,6 +204,12 @@ class ModelRunner:
                                                                      [s for _, s in sampling])
         if batch is None and self.graphs is not None and self.graphs.can_run(spans, num_decodes):
             hidden = self.graphs.run(spans, ids)  # graphs hold the base model: no adapter rows
+        elif self.pipeline is not None:
+            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+            positions = torch.from_numpy(np.concatenate(pos)).to(self.device)
+            hidden = self.pipeline(self.model, spans, num_decodes, input_ids, positions, self.kv_caches, self.backend)
+            if hidden is None:  # a later stage: its layers ran; stage 0 computes logits and samples
+                return ModelRunnerOutput({}, logits={} if return_logits else None)
         else:
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             positions = torch.from_numpy(np.concatenate(pos)).to(self.device)

@@ -1,5 +1,6 @@
-"""Tensor parallelism: a group of ranks, each with its shard of the model and its own paged
-KV cache, that the engine drives as one ModelRunner.
+"""Tensor and pipeline parallelism: a group of ranks, each with its shard of the model (its
+slice of every layer, or its run of layers: worker/pipeline.py) and its own paged KV cache,
+that the engine drives as one ModelRunner.
 
 The engine's bookkeeping (scheduler, block tables, prefix hashes) runs once, in rank 0's
 process; `TPRunner` stands where a ModelRunner stands (inside worker.executor.Executor,
@@ -41,6 +42,7 @@ from kvmesh.errors import RankFailedError
 from kvmesh.layers import kv_cache as kvq
 from kvmesh.layers.op import TPGroup
 from kvmesh.worker.model_runner import KVCacheSpec, ModelRunner
+from kvmesh.worker.pipeline import KV_TAG, PipelineGroup
 from kvmesh.worker.rank_process import RankProcesses, connect, gather_to_root, master_store, scatter_from_root
 
 logger = logging.getLogger(__name__)
@@ -107,16 +109,16 @@ def _unpack(data: torch.Tensor, spec: KVCacheSpec) -> tuple[torch.Tensor, torch.
     return values, scales
 
 
-class TPRunner:
-    """The ModelRunner of a tensor-parallel group, as the engine's executor sees it: rank
-    0's runner (`local`) plus the rank processes. `spec` is the unsharded geometry (the
-    wire layout of `read_blocks`); `local.spec` holds this rank's heads."""
+class GroupRunner:
+    """The ModelRunner of a group of ranks, as the engine's executor sees it: rank 0's runner
+    (`local`) plus the rank processes. `spec` is the whole model's KV geometry (the wire
+    layout of `read_blocks`); `local.spec` holds this rank's part. Subclasses move KV blocks."""
 
-    def __init__(self, local: ModelRunner, ranks: RankProcesses, num_kv_heads: int, tp: TPGroup, store: Any = None):
-        self.local, self.ranks = local, ranks
-        self.tp, self._store = tp, store  # the group's TCPStore lives as long as the group
-        self.layout = KVHeadLayout(num_kv_heads, self.tp.size)
-        self.spec = replace(local.spec, num_kv_heads=num_kv_heads)
+    kind = "tensor"
+
+    def __init__(self, local: ModelRunner, ranks: RankProcesses, spec: KVCacheSpec, store: Any = None):
+        self.local, self.ranks, self.spec = local, ranks, spec
+        self._store = store  # the group's TCPStore lives as long as the group
         self.model, self.arch, self.device, self.dtype = local.model, local.arch, local.device, local.dtype
         self.block_size, self.num_blocks = local.block_size, local.num_blocks
         self.lora, self.grammar, self.backend = local.lora, local.grammar, local.backend
@@ -136,6 +138,45 @@ class TPRunner:
         except RankFailedError:
             self.local.forget(request_id)
 
+    def _call(self, op: str, args: tuple, run: Callable[[], Any]) -> Any:
+        """`op` on the other ranks, then `run` here. Any failure breaks the group for good:
+        a call that failed on one rank leaves the others' collectives out of step."""
+        if self.broken is not None:
+            raise RankFailedError(f"{self.kind} parallel group is down: {self.broken}")
+        try:
+            self.ranks.send(op, *args)
+            return run()
+        except BaseException as exc:
+            why = self.ranks.failure() or f"rank 0 failed in {op}: {exc!r}"
+            self.broken = why
+            logger.error("%s parallel group broken: %s", self.kind, why)
+            self.ranks.close()
+            raise RankFailedError(f"{self.kind} parallel group is down: {why}") from exc
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, why not): False once a call failed or a rank process is gone."""
+        if self.broken is None:
+            why = self.ranks.failure()
+            if why is not None:
+                self.broken = why
+        return (self.broken is None), (f"{self.kind} parallel group is down: {self.broken}" if self.broken else "")
+
+    def close(self) -> None:
+        """Stop the rank processes (idempotent; garbage collection does it too)."""
+        if self.broken is None:
+            self.broken = "closed"
+        self.ranks.close()
+
+
+class TPRunner(GroupRunner):
+    """A tensor-parallel group: every rank holds a slice of every layer and its share of
+    the KV heads (`layout`); blocks leave and enter it with all heads."""
+
+    def __init__(self, local: ModelRunner, ranks: RankProcesses, num_kv_heads: int, tp: TPGroup, store: Any = None):
+        super().__init__(local, ranks, replace(local.spec, num_kv_heads=num_kv_heads), store)
+        self.tp = tp
+        self.layout = KVHeadLayout(num_kv_heads, self.tp.size)
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """The unsharded KV of `block_ids` (every rank's heads, gathered to rank 0)."""
         def run() -> torch.Tensor:
@@ -154,49 +195,62 @@ class TPRunner:
 
         self._call("write_blocks", (block_ids,), run)
 
-    def _call(self, op: str, args: tuple, run: Callable[[], Any]) -> Any:
-        """`op` on the other ranks, then `run` here. Any failure breaks the group for good:
-        a call that failed on one rank leaves the others' collectives out of step."""
-        if self.broken is not None:
-            raise RankFailedError(f"tensor parallel group is down: {self.broken}")
-        try:
-            self.ranks.send(op, *args)
-            return run()
-        except BaseException as exc:
-            why = self.ranks.failure() or f"rank 0 failed in {op}: {exc!r}"
-            self.broken = why
-            logger.error("tensor parallel group broken: %s", why)
-            self.ranks.close()
-            raise RankFailedError(f"tensor parallel group is down: {why}") from exc
 
-    def health(self) -> tuple[bool, str]:
-        """(healthy, why not): False once a call failed or a rank process is gone."""
-        if self.broken is None:
-            why = self.ranks.failure()
-            if why is not None:
-                self.broken = why
-        return (self.broken is None), (f"tensor parallel group is down: {self.broken}" if self.broken else "")
+class PPRunner(GroupRunner):
+    """A pipeline-parallel group: stage r holds layers `stages[r]` and their KV caches;
+    blocks leave and enter it with every layer (stage 0 stacks and splits them)."""
 
-    def close(self) -> None:
-        """Stop the rank processes (idempotent; garbage collection does it too)."""
-        if self.broken is None:
-            self.broken = "closed"
-        self.ranks.close()
+    kind = "pipeline"
+
+    def __init__(self, local: ModelRunner, ranks: RankProcesses, stages: list[range], group: PipelineGroup,
+                 store: Any = None):
+        super().__init__(local, ranks, replace(local.spec, num_layers=stages[-1].stop), store)
+        self.group, self.stages = group, stages
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The KV of `block_ids` over every layer: stage 0's, then each later stage's."""
+        def run() -> torch.Tensor:
+            parts = [self.local.read_blocks(block_ids)]
+            for rank in range(1, self.group.size):
+                buf = self._blocks(rank, len(block_ids))
+                self.group.recv(buf, rank, KV_TAG).wait()
+                parts.append(buf)
+            return torch.cat(parts)
+
+        return self._call("read_blocks", (block_ids,), run)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of read_blocks: each stage gets its layers of `data`."""
+        def run() -> None:
+            full = data.to(dtype=self.spec.wire_dtype)
+            sending = []
+            for rank in range(1, self.group.size):
+                part = full[self.stages[rank].start:self.stages[rank].stop].contiguous()
+                sending.append((self.group.send(part, rank, KV_TAG), part))
+            self.local.write_blocks(block_ids, full[:self.stages[0].stop])
+            for work, _ in sending:
+                work.wait()
+
+        self._call("write_blocks", (block_ids,), run)
+
+    def _blocks(self, rank: int, n: int) -> torch.Tensor:
+        spec = self.spec
+        return torch.empty((len(self.stages[rank]), 2, n, *spec.block_shape), dtype=spec.wire_dtype)
 
 
-def start_group(size: int, threads: int, make_runner: Callable[[TPGroup], ModelRunner],
-                timeout_s: float = COLLECTIVE_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S
-                ) -> tuple[TPGroup, RankProcesses, Any]:
-    """Spawn ranks 1..size-1 (each calls `make_runner` with its TPGroup) and join rank 0 to
-    their gloo group; returns (rank 0's TPGroup, the processes, the store to keep alive).
-    Rank 0 then builds its own runner while the others build theirs; call
-    `ranks.wait_ready` after."""
+def start_group(size: int, threads: int, make_runner: Callable[[Any], ModelRunner],
+                timeout_s: float = COLLECTIVE_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S,
+                kind: str = "tensor") -> tuple[TPGroup | PipelineGroup, RankProcesses, Any]:
+    """Spawn ranks 1..size-1 (each calls `make_runner` with its TPGroup, or PipelineGroup for
+    `kind` "pipeline") and join rank 0 to their gloo group; returns (rank 0's group, the
+    processes, the store to keep alive). Rank 0 then builds its own runner while the others
+    build theirs; call `ranks.wait_ready` after."""
     store = master_store(size, start_timeout_s)
-    ranks = RankProcesses(size, store.port, timeout_s, threads, make_runner)
+    ranks = RankProcesses(size, store.port, timeout_s, threads, make_runner, kind)
     try:
-        tp = connect(0, size, store, timeout_s)
+        group = connect(0, size, store, timeout_s, kind)
     except BaseException as exc:
         why = ranks.failure()
         ranks.close()
-        raise RankFailedError(f"tensor parallel group did not form: {why or exc!r}") from exc
-    return tp, ranks, store
+        raise RankFailedError(f"{kind} parallel group did not form: {why or exc!r}") from exc
+    return group, ranks, store

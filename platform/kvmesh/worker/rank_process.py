@@ -1,6 +1,7 @@
-"""The processes of a tensor-parallel group's ranks 1..tp-1, and the loop each one runs.
+"""The processes of a tensor- or pipeline-parallel group's ranks 1..size-1, and the loop
+each one runs.
 
-Rank 0 lives in the engine's process (worker/parallel.py TPRunner). Every other rank is a
+Rank 0 lives in the engine's process (worker/parallel.py TPRunner / PPRunner). Every other rank is a
 process of the "spawn" context (a fresh interpreter: no forked OpenMP team, no copied
 engine state) that joins the group's gloo process group, builds its shard of the model and
 its own paged KV cache (`make_runner`, a picklable callable from the composition root),
@@ -8,7 +9,8 @@ says "ready", then serves rank 0's calls in order until "shutdown":
 
     ("execute", sched)          run the step's forward and logits (no sampling, no reply)
     ("forget", request_id)      drop per-request state
-    ("read_blocks", ids)        join rank 0's gather of those blocks' KV (over gloo)
+    ("read_blocks", ids)        join rank 0's gather of those blocks' KV (over gloo): its KV
+                                heads (tensor parallel) or its layers' KV (pipeline parallel)
     ("write_blocks", ids)       join rank 0's scatter of those blocks' KV (over gloo)
 
 Calls travel over one pipe per rank (pickled; a SchedulerOutput is a few KB); tensors travel
@@ -33,21 +35,24 @@ import torch
 
 from kvmesh.errors import RankFailedError
 from kvmesh.layers.op import TPGroup
+from kvmesh.worker.pipeline import KV_TAG, PipelineGroup
 
 logger = logging.getLogger(__name__)
 
 _STORE_PREFIX = "kvmesh-tp"
 
 
-def connect(rank: int, size: int, store: Any, timeout_s: float) -> TPGroup:
-    """This rank's TPGroup: a gloo process group of its own over `store` (a TCPStore on
-    loopback), so several engines in one Python process (tests) never share a default group."""
+def connect(rank: int, size: int, store: Any, timeout_s: float, kind: str = "tensor") -> TPGroup | PipelineGroup:
+    """This rank's TPGroup (`kind` "tensor") or PipelineGroup ("pipeline"): a gloo process
+    group of its own over `store` (a TCPStore on loopback), so several engines in one Python
+    process (tests) never share a default group."""
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
     opts = ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)  # every collective's limit: a wedged rank
     opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    return TPGroup(rank, size, ProcessGroupGloo(PrefixStore(_STORE_PREFIX, store), rank, size, opts))
+    group = ProcessGroupGloo(PrefixStore(_STORE_PREFIX, store), rank, size, opts)
+    return PipelineGroup(rank, size, group) if kind == "pipeline" else TPGroup(rank, size, group)
 
 
 def master_store(size: int, timeout_s: float):
@@ -80,14 +85,14 @@ def scatter_from_root(tp: TPGroup, out: torch.Tensor, parts: list[torch.Tensor] 
 
 
 def rank_main(rank: int, size: int, port: int, timeout_s: float, threads: int,
-              make_runner: Callable[[TPGroup], Any], conn) -> None:
+              make_runner: Callable[[TPGroup | PipelineGroup], Any], conn, kind: str = "tensor") -> None:
     """A rank process's whole life (the spawn target)."""
     from torch.distributed import TCPStore
 
     torch.set_num_threads(threads)
     try:
         store = TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=timeout_s))
-        tp = connect(rank, size, store, timeout_s)
+        tp = connect(rank, size, store, timeout_s, kind)
         runner = make_runner(tp)
         conn.send(("ready", None))
     except BaseException:
@@ -115,14 +120,22 @@ def serve(runner, tp: TPGroup, conn) -> None:
             return  # exiting closes this rank's gloo connections: rank 0 fails at once
 
 
-def _read_blocks(runner, tp: TPGroup, block_ids: list[int]) -> None:
-    gather_to_root(tp, runner.read_blocks(block_ids))
+def _read_blocks(runner, group: TPGroup | PipelineGroup, block_ids: list[int]) -> None:
+    data = runner.read_blocks(block_ids)
+    if isinstance(group, PipelineGroup):
+        group.send(data, 0, KV_TAG).wait()  # this stage's layers; rank 0 stacks the stages
+    else:
+        gather_to_root(group, data)  # this rank's KV heads; rank 0 joins them
 
 
-def _write_blocks(runner, tp: TPGroup, block_ids: list[int]) -> None:
+def _write_blocks(runner, group: TPGroup | PipelineGroup, block_ids: list[int]) -> None:
     spec = runner.spec
     out = torch.empty((spec.num_layers, 2, len(block_ids), *spec.block_shape), dtype=spec.wire_dtype)
-    runner.write_blocks(block_ids, scatter_from_root(tp, out))
+    if isinstance(group, PipelineGroup):
+        group.recv(out, 0, KV_TAG).wait()
+    else:
+        scatter_from_root(group, out)
+    runner.write_blocks(block_ids, out)
 
 
 _HANDLERS: dict[str, Callable[..., None]] = {
@@ -136,15 +149,16 @@ _HANDLERS: dict[str, Callable[..., None]] = {
 class RankProcesses:
     """Ranks 1..size-1 of a group, seen from rank 0: start, call, check, stop."""
 
-    def __init__(self, size: int, port: int, timeout_s: float, threads: int, make_runner: Callable[[TPGroup], Any]):
+    def __init__(self, size: int, port: int, timeout_s: float, threads: int,
+                 make_runner: Callable[[TPGroup | PipelineGroup], Any], kind: str = "tensor"):
         ctx = multiprocessing.get_context("spawn")
-        self.size, self.timeout_s = size, timeout_s
+        self.size, self.timeout_s, self.kind = size, timeout_s, kind
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.conns = []
         for rank in range(1, size):
             ours, theirs = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=rank_main, name=f"kvmesh-tp-rank{rank}", daemon=True,
-                               args=(rank, size, port, timeout_s, threads, make_runner, theirs))
+            proc = ctx.Process(target=rank_main, name=f"kvmesh-{kind[0]}p-rank{rank}", daemon=True,
+                               args=(rank, size, port, timeout_s, threads, make_runner, theirs, kind))
             proc.start()
             theirs.close()
             self.procs.append(proc)
@@ -156,10 +170,10 @@ class RankProcesses:
         """Block until every rank has built its runner; RankFailedError with its traceback if one failed."""
         for rank, conn in enumerate(self.conns, start=1):
             if not conn.poll(timeout_s):
-                raise RankFailedError(f"tensor parallel rank {rank} did not start within {timeout_s:g}s")
+                raise RankFailedError(f"{self.kind} parallel rank {rank} did not start within {timeout_s:g}s")
             status, detail = self._recv(rank, conn)
             if status != "ready":
-                raise RankFailedError(f"tensor parallel rank {rank} failed to start:\n{detail}")
+                raise RankFailedError(f"{self.kind} parallel rank {rank} failed to start:\n{detail}")
 
     def send(self, op: str, *args) -> None:
         """Call `op` on every rank (no reply; collectives carry any data)."""
@@ -167,7 +181,7 @@ class RankProcesses:
             try:
                 conn.send((op, args))
             except OSError as exc:
-                raise RankFailedError(self.failure() or f"tensor parallel rank {rank}: {exc!r}") from exc
+                raise RankFailedError(self.failure() or f"{self.kind} parallel rank {rank}: {exc!r}") from exc
 
     def failure(self) -> str | None:
         """Why the group cannot run (a rank exited, or reported an error), or None."""
@@ -182,16 +196,15 @@ class RankProcesses:
                 code = proc.exitcode
                 how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
                 state = "running" if code is None else how
-                return f"tensor parallel rank {rank} (pid {proc.pid}) failed ({state})" + (f":\n{detail}" if detail
-                                                                                          else "")
+                return f"{self.kind} parallel rank {rank} (pid {proc.pid}) failed ({state})" + (
+                    f":\n{detail}" if detail else "")
         return None
 
-    @staticmethod
-    def _recv(rank: int, conn) -> tuple[str, Any]:
+    def _recv(self, rank: int, conn) -> tuple[str, Any]:
         try:
             return conn.recv()
         except (EOFError, OSError) as exc:
-            raise RankFailedError(f"tensor parallel rank {rank} closed its pipe ({exc!r})") from None
+            raise RankFailedError(f"{self.kind} parallel rank {rank} closed its pipe ({exc!r})") from None
 
     def close(self) -> None:
         self._finalizer()
