@@ -215,10 +215,10 @@ def _check_parallel(config: EngineConfig, arch: ArchConfig, device: torch.device
                           f"or {what}=1")
     if config.lora is not None:
         raise ConfigError(f"lora: adapters are not split over tensor / pipeline parallel ranks; use {what}=1")
-    if config.model.quantization == "gguf" or read_quantization_config(path):
+    if tp > 1 and (config.model.quantization == "gguf" or read_quantization_config(path)):
         raise ConfigError("model.quantization: stored quantized weights (GGUF / GPTQ / AWQ / kvmesh) are not "
                           "sharded yet; load the float checkpoint with quantization int8 / int4, or "
-                          f"{what}=1")
+                          "tensor_parallel_size=1 (pipeline parallelism loads them as stored)")
     if config.cuda_graphs and device.type == "cuda":
         raise ConfigError(f"cuda_graphs: not with {what} > 1 in this build")
     return tp, pp

@@ -68,3 +68,10 @@ def greedy(path, **kw) -> list[list[int]]:
 def test_checkpoint_greedy_equals_dequantized_float_model(kind, desc_act, tiny_llama, tmp_path):
     out = write_quantized_checkpoint(tiny_llama, tmp_path / kind, kind, group=32, desc_act=desc_act)
     assert greedy(out) == greedy(out / "dequantized")
+
+
+@pytest.mark.parametrize("kind", ["gptq", "awq"])
+def test_checkpoint_split_over_two_pipeline_stages(kind, tiny_llama, tmp_path):
+    """A stored 4-bit checkpoint loads as stored on each pipeline stage (its own layers' modules)."""
+    out = write_quantized_checkpoint(tiny_llama, tmp_path / kind, kind, group=32)
+    assert greedy(out, pipeline_parallel_size=2) == greedy(out)

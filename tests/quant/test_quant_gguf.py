@@ -177,6 +177,18 @@ def test_gguf_model_greedy_equals_dequantized_float(gguf_folder):
     assert kept == ref
 
 
+def test_gguf_split_over_two_pipeline_stages(gguf_folder):
+    """Kept quantized on each stage: stage 0 its layers and the Q8_0 embedding (tied LM head), stage 1 the rest."""
+    two, llm = _greedy(gguf_folder, quantization="gguf", pipeline_parallel_size=2)
+    try:
+        m = llm.engine.executor.model
+        assert isinstance(m.model.embed_tokens, QuantEmbedding) and len(m.model.held_layers()) == 1
+        ref, _ = _greedy(gguf_folder, quantization="gguf")
+        assert two == ref
+    finally:
+        llm.close()
+
+
 @pytest.mark.skipif(not native.has_quant_gemm(), reason="needs the quantized CPU kernel (AVX2, a C++ compiler)")
 def test_gguf_decode_stack_equals_layer_loop(gguf_folder, stack_calls, monkeypatch):
     """Q4_0, Q4_1 and Q8_0 layers mixed in one model: batch-1 decode steps run the whole

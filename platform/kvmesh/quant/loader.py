@@ -253,10 +253,6 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
     with torch.device("meta"):
         model = model_class(cfg)(cfg, max_positions, op_context(device, dtype, kernels, tp, pp))
     weights: Iterable[tuple[str, torch.Tensor]] = stage_weights(model, iter_safetensors(path))
-    if pp.size > 1 and (qc is not None or quantization == gguf_weights.METHOD):
-        raise ConfigError("model.quantization: stored quantized weights (GGUF / GPTQ / AWQ / kvmesh) are not "
-                          "split over pipeline stages yet; quantize the float checkpoint at load "
-                          "(int8 / int4) or use pipeline_parallel_size=1")
     if qc is not None or quantization == gguf_weights.METHOD:
         if any(isinstance(m, FusedMoE) for m in model.modules()):
             raise ConfigError("model.quantization: quantized MoE checkpoints (GPTQ / AWQ / kvmesh / GGUF) are not "
@@ -276,6 +272,7 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
         _check_gguf_args(group_size)
         fmt = KVMeshFormat()
         plan, weights = gguf_weights.read_gguf(gguf_weights.find_gguf(path), cfg)
+        weights = stage_weights(model, weights)
     else:
         method = get_method(quantization, group_size)
         fmt = KVMeshFormat()
@@ -284,6 +281,8 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
             weights = _shard_stream(weights, _tp_slicers(model, plan))
         experts = _swap_experts(model, method, device)  # (experts cut their own shards: layers/moe.py shard_sources)
         weights = method.quantize_state_dict(_route_experts(weights, experts), tied)
+    # A pipeline stage quantizes / loads its own modules only (stored formats keep whole modules).
+    plan = {prefix: scheme for prefix, scheme in plan.items() if model.holds(f"{prefix}.weight")}
     routes = _swap(model, plan, tied, device, kernels or KernelConfig())
     model = model.to_empty(device=device)
     if tied and isinstance(model.lm_head, Linear):
