@@ -58,10 +58,10 @@ def wait_ready(proc: Proc, timeout: float = 120.0) -> Proc:
 
 
 def spawn_worker(name: str, model: Path, role: str, log_dir: Path, *, transfer_ttl: float = 30.0,
-                 num_blocks: int = 256, block_size: int = 4, max_model_len: int = 256) -> Proc:
+                 num_blocks: int = 256, block_size: int = 4, max_model_len: int = 256, extra: list[str] = ()) -> Proc:
     args = ["-m", "kvmesh.cli", "worker", "--role", role, "--port", "0", "--model", str(model),
             "--threads", "1", "--num-blocks", str(num_blocks), "--block-size", str(block_size),
-            "--max-model-len", str(max_model_len), "--transfer-ttl", str(transfer_ttl)]
+            "--max-model-len", str(max_model_len), "--transfer-ttl", str(transfer_ttl), *extra]
     return spawn(name, args, log_dir, "KVMESH_WORKER_READY")
 
 

@@ -176,3 +176,26 @@ def test_pinned_prompt_survives_pressure_and_is_released(long_model, redis_serve
     for i in range(10):  # 380 blocks: more than the whole cache, so the released pin is evicted
         llm.generate(_ids(600, 300 + i), GREEDY)
     assert eng.kv_manager.pool.get_cached_block(block_hashes(system, BS, eng.fingerprint)[0]) is None
+
+
+@pytest.mark.parametrize("writer_kw, reader_kw", [
+    ({"tensor_parallel_size": 2}, {}),
+    ({}, {"pipeline_parallel_size": 2}),
+], ids=["tp2-writes-tp1-reads", "tp1-writes-pp2-reads"])
+def test_parallel_groups_share_blocks_with_one_rank(long_model, redis_server, writer_kw, reader_kw):
+    """Blocks in the shared store hold every KV head and layer whatever wrote them: a TP=2
+    group's blocks serve a TP=1 engine, a TP=1 engine's serve a PP=2 group, same tokens."""
+    redis_server.client().flushall()
+    prefix = _ids(128, 5)
+    writer = _llm(long_model, redis_server.url, **writer_kw)
+    reader = _llm(long_model, redis_server.url, **reader_kw)
+    try:
+        writer.generate(prefix + _ids(8, 6), GREEDY)
+        writer.engine.kv_connector.flush()
+        prompt = prefix + _ids(8, 7)
+        out = reader.generate(prompt, GREEDY)[0]
+        assert out.num_cached_tokens == 128
+        assert out.outputs[0].token_ids == _llm(long_model).generate(prompt, GREEDY)[0].outputs[0].token_ids
+    finally:
+        writer.close()
+        reader.close()
