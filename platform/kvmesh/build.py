@@ -31,7 +31,7 @@ from kvmesh.kvstore import BlockCodec, create_store
 from kvmesh.kvstore.codec import load_mac_key
 from kvmesh.layers import kv_cache as kvq
 from kvmesh.models.arch import ArchConfig
-from kvmesh.layers.op import PipelineStage, TPGroup
+from kvmesh.layers.op import PipelineStage
 from kvmesh.models.llama import check_tensor_parallel, local_kv_heads
 from kvmesh.models.loader import load_arch_config
 from kvmesh.quant.loader import load_model, quantization_id, read_quantization_config
@@ -43,8 +43,9 @@ from kvmesh.worker.kv_connector import StoreConnector
 from kvmesh.worker.kv_transfer import PulledKVLoader
 from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.model_runner import DTYPES, KVCacheSpec, ModelRunner
-from kvmesh.worker.parallel import START_TIMEOUT_S, GroupRunner, PPRunner, TPRunner, start_group
-from kvmesh.worker.pipeline import PipelineForward, PipelineGroup
+from kvmesh.worker.groups import ParallelGroups
+from kvmesh.worker.parallel import START_TIMEOUT_S, ParallelRunner, start_group
+from kvmesh.worker.pipeline import PipelineForward
 from kvmesh.worker.server import WorkerServer, WorkerServerConfig
 from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
 from kvmesh.worker.structured import GrammarCompiler, GrammarMasks
@@ -68,8 +69,9 @@ class EngineParts:
 
 def build_parts(config: EngineConfig | None = None, progress: bool = True) -> EngineParts:
     """Load the model and tokenizer, size the KV cache, build runner, proposer and the
-    shared-store connector. With tensor_parallel_size > 1 the runner is a TPRunner: ranks
-    1..tp-1 are spawned here and load their shards while this process loads rank 0's."""
+    shared-store connector. With tensor_parallel_size x pipeline_parallel_size > 1 the runner
+    is a ParallelRunner: ranks 1..world-1 are spawned here and load their shards while this
+    process loads rank 0's."""
     config = config or EngineConfig()
     mc, cc = config.model, config.cache
     device = torch.device(mc.device)
@@ -121,8 +123,7 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     grammar = GrammarMasks(GrammarCompiler(tokenizer, arch.vocab_size, eos_ids))
     load = partial(_load_runner, config, path, max_positions, max_model_len, num_blocks)
     if world > 1:
-        runner = _start_group(arch, "pipeline" if pp > 1 else "tensor", world, max(1, threads // world), load,
-                              grammar)
+        runner = _start_group(tp, pp, max(1, threads // world), load, grammar)
     else:
         runner = load(None, grammar, lora=True)
     model = runner.model
@@ -146,17 +147,17 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
 
 
 def _load_runner(config: EngineConfig, path: Path, max_positions: int, max_model_len: int, num_blocks: int,
-                 group: TPGroup | PipelineGroup | None, grammar: GrammarMasks | None = None,
+                 groups: ParallelGroups | None, grammar: GrammarMasks | None = None,
                  lora: bool = False) -> ModelRunner:
-    """Load the model (this rank's shard of it, for a tensor-parallel `group`; this stage's
-    layers, for a pipeline-parallel one) and build its runner: the same on every rank of a
-    group, so their layers and collectives match. Ranks other than 0 get no grammar (they do
-    not sample) and no adapters."""
+    """Load the model (this rank's shard of it: its slice of its stage's layers, for a rank
+    of parallel `groups`) and build its runner: the same on every rank of a stage, so their
+    layers and collectives match. Ranks other than 0 get no grammar (they do not sample) and
+    no adapters."""
     mc, cc = config.model, config.cache
     device = torch.device(mc.device)
     dtype = DTYPES[resolve_dtype(mc.dtype, device)]
-    tp = group if isinstance(group, TPGroup) else None
-    pp = PipelineStage(group.rank, group.size) if isinstance(group, PipelineGroup) else None
+    tp = groups.tp if groups is not None and groups.tp.size > 1 else None
+    pp = groups.stage if groups is not None else None
     model, arch = load_model(path, dtype, device, max_positions, mc.quantization, mc.quantization_group_size,
                              config.kernels, tp, pp)
     graph_batch = min(config.cuda_graph_max_batch_size, config.scheduler.max_num_seqs) if config.cuda_graphs else 0
@@ -166,27 +167,23 @@ def _load_runner(config: EngineConfig, path: Path, max_positions: int, max_model
                        lora=_build_lora(config, model, device, dtype) if lora else None,
                        kv_quant=kvq.resolve(cc.kv_cache_dtype, device),
                        num_kv_heads=local_kv_heads(arch, tp.size if tp else 1),
-                       driver=group is None or group.rank == 0,
-                       pipeline=PipelineForward(group, arch.hidden_size, dtype, device) if pp else None,
+                       driver=groups is None or groups.rank == 0,
+                       pipeline=PipelineForward(groups.pp, arch.hidden_size, dtype, device) if pp else None,
                        num_layers=len(pp.layer_range(arch.num_layers)) if pp else None)
 
 
-def _start_group(arch: ArchConfig, kind: str, size: int, threads: int, load: Callable[..., ModelRunner],
-                 grammar: GrammarMasks) -> GroupRunner:
-    """Spawn ranks 1..size-1 of a tensor- or pipeline-parallel group (each runs `load` with
-    its group), load rank 0 here meanwhile, and wrap them as one runner. A failure on any
-    rank stops them all."""
-    group, ranks, store = start_group(size, threads, load, kind=kind)
+def _start_group(tp: int, pp: int, threads: int, load: Callable[..., ModelRunner],
+                 grammar: GrammarMasks) -> ParallelRunner:
+    """Spawn ranks 1..tp*pp-1 (each runs `load` with its groups), load rank 0 here
+    meanwhile, and wrap them as one runner. A failure on any rank stops them all."""
+    groups, ranks, store = start_group(tp, pp, threads, load)
     try:
-        local = load(group, grammar)
+        local = load(groups, grammar)
         ranks.wait_ready(START_TIMEOUT_S)
     except BaseException:
         ranks.close()
         raise
-    if kind == "pipeline":
-        return PPRunner(local, ranks, [PipelineStage(r, size).layer_range(arch.num_layers) for r in range(size)],
-                        group, store)
-    return TPRunner(local, ranks, arch.num_kv_heads, group, store)
+    return ParallelRunner(local, ranks, groups, store)
 
 
 def _check_parallel(config: EngineConfig, arch: ArchConfig, device: torch.device, path: Path) -> tuple[int, int]:
@@ -195,10 +192,8 @@ def _check_parallel(config: EngineConfig, arch: ArchConfig, device: torch.device
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
     if tp == 1 and pp == 1:
         return 1, 1
-    what = "tensor_parallel_size" if pp == 1 else "pipeline_parallel_size"
-    if tp > 1 and pp > 1:
-        raise ConfigError("parallel: tensor and pipeline parallelism together are not served by this build; "
-                          "set one of tensor_parallel_size / pipeline_parallel_size to 1")
+    what = "tensor_parallel_size" if pp == 1 else "pipeline_parallel_size" if tp == 1 else \
+        "tensor_parallel_size / pipeline_parallel_size"
     if device.type != "cpu" or pc.distributed_backend == "nccl":
         raise ConfigError(f"parallel.{what}: tensor / pipeline parallelism runs on CPU over gloo in this build; "
                           f"use --device cpu (distributed_backend auto / gloo) or {what}=1")

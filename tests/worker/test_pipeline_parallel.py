@@ -1,4 +1,4 @@
-"""Pipeline parallelism (worker/pipeline.py, worker/parallel.py PPRunner): PP=2 over real gloo
+"""Pipeline parallelism (worker/pipeline.py, worker/parallel.py ParallelRunner): PP=2 over real gloo
 between two real processes gives PP=1's greedy tokens, token for token, with logits within
 fp32 tolerance; micro-batches cut prefill chunks where they must; KV blocks leave the group
 with every layer; a dead stage fails fast and takes the group out of service."""
@@ -165,5 +165,33 @@ def test_refusals_are_config_errors(model_factory):
     path = str(model_factory())
     with pytest.raises(ConfigError, match="pipeline_parallel_size: 4 stages for 3 layers"):
         build_engine(model=path, progress=False, num_blocks=16, pipeline_parallel_size=4)
-    with pytest.raises(ConfigError, match="together"):
-        build_engine(model=path, progress=False, num_blocks=16, pipeline_parallel_size=2, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("engine_kw", [{}, {"kv_cache_dtype": "int8", "enable_prefix_caching": True}],
+                         ids=["fp32", "int8-kv"])
+def test_tp2_x_pp2_equals_one_rank(model_factory, engine_kw):
+    """Four ranks: two stages of two tensor-parallel ranks each; KV blocks out and in with
+    every layer and head."""
+    path = model_factory(num_layers=4)
+    one, four = _pair(path, tensor_parallel_size=1, **engine_kw)[0], build_engine(
+        model=str(path), progress=False, block_size=4, num_blocks=64, tensor_parallel_size=2,
+        pipeline_parallel_size=2, **engine_kw)
+    try:
+        runner = four.executor.runner
+        assert len(runner.ranks.procs) == 3 and runner.local.spec.num_layers == 2
+        assert runner.local.spec.num_kv_heads == 1 and runner.spec.num_kv_heads == 2
+        ref, ref_logits = run_collecting_logits(one, PROMPTS, GREEDY)
+        got, logits = run_collecting_logits(four, PROMPTS, GREEDY)
+        assert got == ref
+        for rid in ref:
+            torch.testing.assert_close(torch.stack(logits[rid]), torch.stack(ref_logits[rid]), rtol=1e-4, atol=1e-4)
+        data = one.executor.read_blocks([1, 2, 3])
+        if "kv_cache_dtype" not in engine_kw:  # int8: packed bytes, a scale's last bit flips them
+            torch.testing.assert_close(four.executor.read_blocks([1, 2, 3]), data, rtol=1e-4, atol=1e-4)
+        else:
+            assert four.executor.read_blocks([1, 2, 3]).shape == data.shape
+        four.executor.write_blocks([9, 10, 11], data)
+        torch.testing.assert_close(four.executor.read_blocks([9, 10, 11]), data)
+        assert four.num_free_blocks == four.num_usable_blocks
+    finally:
+        four.close()

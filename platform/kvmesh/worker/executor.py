@@ -15,14 +15,14 @@ from kvmesh.engine.structured_outputs import StructuredOutputsParams
 from kvmesh.errors import InvalidRequestError
 from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.model_runner import ModelRunner
-from kvmesh.worker.parallel import TPRunner
+from kvmesh.worker.parallel import ParallelRunner
 from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
 
 Proposer = NgramProposer | DraftModelProposer
 
 
 class Executor:
-    def __init__(self, runner: ModelRunner | TPRunner, proposer: Proposer | None = None):
+    def __init__(self, runner: ModelRunner | ParallelRunner, proposer: Proposer | None = None):
         self.runner = runner
         self.proposer = proposer
         self.num_blocks = runner.num_blocks

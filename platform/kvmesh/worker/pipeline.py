@@ -40,12 +40,17 @@ KV_TAG = 1 << 20  # tags of KV block transfers (read_blocks / write_blocks), apa
 
 @dataclass(frozen=True)
 class PipelineGroup:
-    """This rank's place in a pipeline-parallel group: stage `rank` of `size`, over a gloo
-    process group whose ranks are the stages."""
+    """This rank's place in a pipeline: stage `rank` of `size`, over a gloo process group in
+    which stage s is rank `peers[s]` (with tensor parallelism too, the ranks of the same
+    tensor rank in every stage: worker/groups.py)."""
 
     rank: int
     size: int
     group: Any  # torch.distributed ProcessGroup
+    peers: tuple[int, ...] = ()
+
+    def _peer(self, stage: int) -> int:
+        return self.peers[stage] if self.peers else stage
 
     @property
     def first(self) -> bool:
@@ -56,12 +61,13 @@ class PipelineGroup:
         return self.rank == self.size - 1
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int):
-        """Start sending `tensor` (keep it alive and unchanged until the returned work's wait())."""
-        return self.group.send([tensor], dst, tag)
+        """Start sending `tensor` to stage `dst` (keep it alive and unchanged until the
+        returned work's wait())."""
+        return self.group.send([tensor], self._peer(dst), tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int):
-        """Start receiving into `tensor`; wait() on the returned work before reading it."""
-        return self.group.recv([tensor], src, tag)
+        """Start receiving into `tensor` from stage `src`; wait() on the returned work before reading it."""
+        return self.group.recv([tensor], self._peer(src), tag)
 
 
 @dataclass

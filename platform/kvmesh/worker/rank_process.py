@@ -1,17 +1,15 @@
-"""The processes of a tensor- or pipeline-parallel group's ranks 1..size-1, and the loop
-each one runs.
+"""The processes of a parallel worker's ranks 1..world-1, and the loop each one runs.
 
-Rank 0 lives in the engine's process (worker/parallel.py TPRunner / PPRunner). Every other rank is a
+Rank 0 lives in the engine's process (worker/parallel.py ParallelRunner). Every other rank is a
 process of the "spawn" context (a fresh interpreter: no forked OpenMP team, no copied
-engine state) that joins the group's gloo process group, builds its shard of the model and
-its own paged KV cache (`make_runner`, a picklable callable from the composition root),
-says "ready", then serves rank 0's calls in order until "shutdown":
+engine state) that joins the worker's gloo process groups (worker/groups.py), builds its
+shard of the model and its own paged KV cache (`make_runner`, a picklable callable from the
+composition root), says "ready", then serves rank 0's calls in order until "shutdown":
 
-    ("execute", sched)          run the step's forward and logits (no sampling, no reply)
+    ("execute", sched)          run the step's forward (and logits, on stage 0; no sampling, no reply)
     ("forget", request_id)      drop per-request state
-    ("read_blocks", ids)        join rank 0's gather of those blocks' KV (over gloo): its KV
-                                heads (tensor parallel) or its layers' KV (pipeline parallel)
-    ("write_blocks", ids)       join rank 0's scatter of those blocks' KV (over gloo)
+    ("read_blocks", ids)        join rank 0's gather of those blocks' KV (its heads, its layers)
+    ("write_blocks", ids)       join rank 0's scatter of those blocks' KV
 
 Calls travel over one pipe per rank (pickled; a SchedulerOutput is a few KB); tensors travel
 over gloo. A rank that fails sends ("error", traceback) and exits, which closes its gloo
@@ -21,7 +19,6 @@ A rank whose pipe closes (rank 0's process died) exits too: no orphans.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import multiprocessing
 import os
@@ -34,74 +31,27 @@ from typing import Any
 import torch
 
 from kvmesh.errors import RankFailedError
-from kvmesh.layers.op import TPGroup
-from kvmesh.worker.pipeline import KV_TAG, PipelineGroup
+from kvmesh.worker.groups import ParallelGroups, connect, join_store, read_group_blocks, write_group_blocks
 
 logger = logging.getLogger(__name__)
 
-_STORE_PREFIX = "kvmesh-tp"
 
-
-def connect(rank: int, size: int, store: Any, timeout_s: float, kind: str = "tensor") -> TPGroup | PipelineGroup:
-    """This rank's TPGroup (`kind` "tensor") or PipelineGroup ("pipeline"): a gloo process
-    group of its own over `store` (a TCPStore on loopback), so several engines in one Python
-    process (tests) never share a default group."""
-    from torch.distributed import PrefixStore, ProcessGroupGloo
-
-    opts = ProcessGroupGloo._Options()
-    opts._timeout = datetime.timedelta(seconds=timeout_s)  # every collective's limit: a wedged rank
-    opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    group = ProcessGroupGloo(PrefixStore(_STORE_PREFIX, store), rank, size, opts)
-    return PipelineGroup(rank, size, group) if kind == "pipeline" else TPGroup(rank, size, group)
-
-
-def master_store(size: int, timeout_s: float):
-    """Rank 0's TCPStore on a free loopback port (read `.port` for the other ranks)."""
-    from torch.distributed import TCPStore
-
-    return TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
-                    wait_for_workers=False)
-
-
-def gather_to_root(tp: TPGroup, tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's `tensor` (same shape and dtype everywhere), on rank 0; [] elsewhere."""
-    from torch.distributed import GatherOptions
-
-    opts = GatherOptions()
-    opts.rootRank = 0
-    outs = [[torch.empty_like(tensor) for _ in range(tp.size)]] if tp.rank == 0 else []
-    tp.group.gather(outs, [tensor.contiguous()], opts).wait()
-    return outs[0] if outs else []
-
-
-def scatter_from_root(tp: TPGroup, out: torch.Tensor, parts: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Rank r receives parts[r] (given on rank 0 only) into `out`."""
-    from torch.distributed import ScatterOptions
-
-    opts = ScatterOptions()
-    opts.rootRank = 0
-    tp.group.scatter([out], [[p.contiguous() for p in parts]] if tp.rank == 0 else [], opts).wait()
-    return out
-
-
-def rank_main(rank: int, size: int, port: int, timeout_s: float, threads: int,
-              make_runner: Callable[[TPGroup | PipelineGroup], Any], conn, kind: str = "tensor") -> None:
+def rank_main(rank: int, tp: int, pp: int, port: int, timeout_s: float, threads: int,
+              make_runner: Callable[[ParallelGroups], Any], conn) -> None:
     """A rank process's whole life (the spawn target)."""
-    from torch.distributed import TCPStore
-
     torch.set_num_threads(threads)
     try:
-        store = TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=timeout_s))
-        tp = connect(rank, size, store, timeout_s, kind)
-        runner = make_runner(tp)
+        store = join_store(port, tp * pp, timeout_s)
+        groups = connect(rank, tp, pp, store, timeout_s)
+        runner = make_runner(groups)
         conn.send(("ready", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
-    serve(runner, tp, conn)
+    serve(runner, groups, conn)
 
 
-def serve(runner, tp: TPGroup, conn) -> None:
+def serve(runner, groups: ParallelGroups, conn) -> None:
     """Rank r's loop: rank 0's calls, in order, until shutdown or until rank 0 is gone."""
     while True:
         try:
@@ -111,54 +61,38 @@ def serve(runner, tp: TPGroup, conn) -> None:
         if op == "shutdown":
             return
         try:
-            _HANDLERS[op](runner, tp, *args)
+            _HANDLERS[op](runner, groups, *args)
         except BaseException:
             try:
-                conn.send(("error", f"rank {tp.rank} failed in {op}:\n{traceback.format_exc()}"))
+                conn.send(("error", f"rank {groups.rank} failed in {op}:\n{traceback.format_exc()}"))
             except OSError:
                 pass
             return  # exiting closes this rank's gloo connections: rank 0 fails at once
 
 
-def _read_blocks(runner, group: TPGroup | PipelineGroup, block_ids: list[int]) -> None:
-    data = runner.read_blocks(block_ids)
-    if isinstance(group, PipelineGroup):
-        group.send(data, 0, KV_TAG).wait()  # this stage's layers; rank 0 stacks the stages
-    else:
-        gather_to_root(group, data)  # this rank's KV heads; rank 0 joins them
-
-
-def _write_blocks(runner, group: TPGroup | PipelineGroup, block_ids: list[int]) -> None:
-    spec = runner.spec
-    out = torch.empty((spec.num_layers, 2, len(block_ids), *spec.block_shape), dtype=spec.wire_dtype)
-    if isinstance(group, PipelineGroup):
-        group.recv(out, 0, KV_TAG).wait()
-    else:
-        scatter_from_root(group, out)
-    runner.write_blocks(block_ids, out)
-
-
 _HANDLERS: dict[str, Callable[..., None]] = {
-    "execute": lambda runner, tp, sched: runner.execute(sched),
-    "forget": lambda runner, tp, request_id: runner.forget(request_id),
-    "read_blocks": _read_blocks,
-    "write_blocks": _write_blocks,
+    "execute": lambda runner, groups, sched: runner.execute(sched),
+    "forget": lambda runner, groups, request_id: runner.forget(request_id),
+    "read_blocks": read_group_blocks,
+    "write_blocks": write_group_blocks,
 }
 
 
 class RankProcesses:
     """Ranks 1..size-1 of a group, seen from rank 0: start, call, check, stop."""
 
-    def __init__(self, size: int, port: int, timeout_s: float, threads: int,
-                 make_runner: Callable[[TPGroup | PipelineGroup], Any], kind: str = "tensor"):
+    def __init__(self, tp: int, pp: int, port: int, timeout_s: float, threads: int,
+                 make_runner: Callable[[ParallelGroups], Any]):
         ctx = multiprocessing.get_context("spawn")
-        self.size, self.timeout_s, self.kind = size, timeout_s, kind
+        size = tp * pp
+        self.size, self.timeout_s = size, timeout_s
+        self.kind = "tensor" if pp == 1 else "pipeline" if tp == 1 else "tensor x pipeline"
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.conns = []
         for rank in range(1, size):
             ours, theirs = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=rank_main, name=f"kvmesh-{kind[0]}p-rank{rank}", daemon=True,
-                               args=(rank, size, port, timeout_s, threads, make_runner, theirs, kind))
+            proc = ctx.Process(target=rank_main, name=f"kvmesh-rank{rank}", daemon=True,
+                               args=(rank, tp, pp, port, timeout_s, threads, make_runner, theirs))
             proc.start()
             theirs.close()
             self.procs.append(proc)
