@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.layers.linear import Linear
-from kvmesh.layers.op import OpContext, TPGroup
+from kvmesh.layers.op import COMM, OpContext, TPGroup
 
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -97,5 +97,6 @@ def gather_vocab(logits: torch.Tensor, tp: TPGroup, vocab_size: int) -> torch.Te
     if tp.size == 1:
         return logits
     parts = [torch.empty_like(logits) for _ in range(tp.size)]
-    torch.distributed.all_gather(parts, logits.contiguous(), group=tp.group)
+    with COMM.timed("all_gather", logits, logits.nbytes * tp.size):
+        torch.distributed.all_gather(parts, logits.contiguous(), group=tp.group)
     return torch.cat(parts, dim=-1)[..., :vocab_size]

@@ -15,6 +15,8 @@ which bumps a process-wide generation the gatherers compare against.
 from __future__ import annotations
 
 import itertools
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +40,51 @@ def fast_paths_changed() -> None:
     GENERATION = next(_generation)
 
 
+class CommMeter:
+    """This process's tally of parallel communication, by kind: calls, bytes (the tensor
+    reduced or sent; for an all-gather the gathered whole) and seconds spent blocked in them. Kinds: "all_reduce" (row-parallel output / down
+    projections, vocab-parallel embedding, MoE experts), "all_gather" (vocab-parallel logits),
+    "pp_send" (hidden states to the next stage; bytes only, the send is asynchronous) and
+    "pp_wait" (blocked on a receive or on a send's completion: transfer plus the other
+    stages' compute, i.e. the pipeline bubble). Off by default (one attribute read per call);
+    benchmarks/parallel_comm.py switches it on. CUDA calls synchronize around the timed
+    region while it is on, so the seconds are the collective's, not its launch's."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.totals: dict[str, list[float]] = {}
+
+    def reset(self) -> None:
+        self.totals = {}
+
+    def add(self, kind: str, nbytes: int, seconds: float = 0.0) -> None:
+        t = self.totals.setdefault(kind, [0, 0, 0.0])
+        t[0] += 1
+        t[1] += nbytes
+        t[2] += seconds
+
+    @contextmanager
+    def timed(self, kind: str, tensor: torch.Tensor | None, nbytes: int | None = None):
+        """Count the block as one `kind` call moving `tensor`'s bytes (or `nbytes`)."""
+        if not self.enabled:
+            yield
+            return
+        cuda = tensor is not None and tensor.is_cuda
+        if cuda:
+            torch.cuda.synchronize(tensor.device)
+        t0 = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize(tensor.device)
+        self.add(kind, nbytes if nbytes is not None else tensor.nbytes, time.perf_counter() - t0)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {k: {"calls": c, "bytes": b, "seconds": s} for k, (c, b, s) in self.totals.items()}
+
+
+COMM = CommMeter()
+
+
 @dataclass(frozen=True)
 class TPGroup:
     """The tensor-parallel group a layer's weights are sharded over: world size 1 (no
@@ -54,7 +101,11 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group, in place (a no-op at world size 1)."""
         if self.size > 1:
-            torch.distributed.all_reduce(x, group=self.group)
+            if COMM.enabled:
+                with COMM.timed("all_reduce", x):
+                    torch.distributed.all_reduce(x, group=self.group)
+            else:
+                torch.distributed.all_reduce(x, group=self.group)
         return x
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kvmesh.layers.attention import SeqSpan
+from kvmesh.layers.op import COMM
 
 KV_TAG = 1 << 20  # tags of KV block transfers (read_blocks / write_blocks), apart from micro-batch tags
 
@@ -129,17 +130,22 @@ class PipelineForward:
                 h = model(input_ids[mb.tokens], positions[mb.tokens], kv_caches, meta, backend)
             else:
                 h = self._buffer(mb.num_tokens)
-                g.recv(h, g.rank - 1, i).wait()
+                with COMM.timed("pp_wait", h):
+                    g.recv(h, g.rank - 1, i).wait()
                 h = model(None, positions[mb.tokens], kv_caches, meta, backend, hidden=h)
             # A copy: the next micro-batch may reuse the buffer a fast path returned this one in.
             h = h.clone()
+            if COMM.enabled:
+                COMM.add("pp_send", h.nbytes)
             sending.append((g.send(h, 0 if g.last else g.rank + 1, i), h))
-        for work, _ in sending:
-            work.wait()
+        with COMM.timed("pp_wait", h, 0):
+            for work, _ in sending:
+                work.wait()
+            if g.first:
+                for work, _ in returned:
+                    work.wait()
         if not g.first:
             return None
-        for work, _ in returned:
-            work.wait()
         return torch.cat([buf for _, buf in returned]) if len(returned) > 1 else returned[0][1]
 
     def _buffer(self, tokens: int) -> torch.Tensor:
