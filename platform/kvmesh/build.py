@@ -46,6 +46,7 @@ from kvmesh.worker.model_runner import DTYPES, KVCacheSpec, ModelRunner
 from kvmesh.worker.groups import ParallelGroups
 from kvmesh.worker.parallel import START_TIMEOUT_S, ParallelRunner, start_group
 from kvmesh.worker.pipeline import PipelineForward
+from kvmesh.worker.rank_process import RankLauncher
 from kvmesh.worker.server import WorkerServer, WorkerServerConfig
 from kvmesh.worker.spec_decode import DraftModelProposer, NgramProposer
 from kvmesh.worker.structured import GrammarCompiler, GrammarMasks
@@ -67,11 +68,13 @@ class EngineParts:
     connector: StoreConnector | None
 
 
-def build_parts(config: EngineConfig | None = None, progress: bool = True) -> EngineParts:
+def build_parts(config: EngineConfig | None = None, progress: bool = True,
+                rank_launcher: RankLauncher | None = None) -> EngineParts:
     """Load the model and tokenizer, size the KV cache, build runner, proposer and the
     shared-store connector. With tensor_parallel_size x pipeline_parallel_size > 1 the runner
-    is a ParallelRunner: ranks 1..world-1 are spawned here and load their shards while this
-    process loads rank 0's."""
+    is a ParallelRunner: ranks 1..world-1 are started by `rank_launcher` (default: this
+    process's children; kvmesh.serve.rank_actors: Ray actors) and load their shards while
+    this process loads rank 0's."""
     config = config or EngineConfig()
     mc, cc = config.model, config.cache
     device = torch.device(mc.device)
@@ -123,7 +126,7 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True) -> En
     grammar = GrammarMasks(GrammarCompiler(tokenizer, arch.vocab_size, eos_ids))
     load = partial(_load_runner, config, path, max_positions, max_model_len, num_blocks)
     if world > 1:
-        runner = _start_group(tp, pp, max(1, threads // world), load, grammar)
+        runner = _start_group(tp, pp, max(1, threads // world), load, grammar, rank_launcher)
     else:
         runner = load(None, grammar, lora=True)
     model = runner.model
@@ -173,10 +176,10 @@ def _load_runner(config: EngineConfig, path: Path, max_positions: int, max_model
 
 
 def _start_group(tp: int, pp: int, threads: int, load: Callable[..., ModelRunner],
-                 grammar: GrammarMasks) -> ParallelRunner:
-    """Spawn ranks 1..tp*pp-1 (each runs `load` with its groups), load rank 0 here
+                 grammar: GrammarMasks, launcher: RankLauncher | None = None) -> ParallelRunner:
+    """Start ranks 1..tp*pp-1 (each runs `load` with its groups), load rank 0 here
     meanwhile, and wrap them as one runner. A failure on any rank stops them all."""
-    groups, ranks, store = start_group(tp, pp, threads, load)
+    groups, ranks, store = start_group(tp, pp, threads, load, launcher=launcher)
     try:
         local = load(groups, grammar)
         ranks.wait_ready(START_TIMEOUT_S)
@@ -219,9 +222,10 @@ def _check_parallel(config: EngineConfig, arch: ArchConfig, device: torch.device
     return tp, pp
 
 
-def build_engine(config: EngineConfig | None = None, progress: bool = True, **kwargs) -> LLMEngine:
+def build_engine(config: EngineConfig | None = None, progress: bool = True,
+                 rank_launcher: RankLauncher | None = None, **kwargs) -> LLMEngine:
     """An LLMEngine for `config` (or flat EngineConfig keyword arguments), prompt cache warmed."""
-    parts = build_parts(_config(config, kwargs), progress)
+    parts = build_parts(_config(config, kwargs), progress, rank_launcher)
     return _warm(LLMEngine(parts.config, parts.executor, parts.tokenizer, parts.info,
                            kv_connector=parts.connector))
 
@@ -235,7 +239,8 @@ def build_async_engine(config: EngineConfig | None = None, progress: bool = True
 def build_worker(config: EngineConfig | None, server_config: WorkerServerConfig | None = None,
                  progress: bool = False, auth: InternalAuth | None = None,
                  gpu_transports: list[GpuTransport] | None = None, gpu_node: str | None = None,
-                 on_outputs: Callable[[list[RequestOutput]], None] | None = None) -> WorkerServer:
+                 on_outputs: Callable[[list[RequestOutput]], None] | None = None,
+                 rank_launcher: RankLauncher | None = None) -> WorkerServer:
     """A gRPC worker (not started; call it on the event loop that will run it). Its
     engine's KV loader is a chain: KV pulled from a
     prefill worker if staged for the request, else the shared store; a tracker notes
@@ -244,12 +249,13 @@ def build_worker(config: EngineConfig | None, server_config: WorkerServerConfig 
     P/D KV moves device to device by the transports this machine has (CUDA IPC and NCCL
     through cupy on a CUDA device; none on CPU: bytes over gRPC); `gpu_transports` and
     `gpu_node` replace those transports and this machine's node id (tests, embedders);
-    `on_outputs` observes every engine step's outputs (see AsyncLLMEngine).
+    `on_outputs` observes every engine step's outputs (see AsyncLLMEngine); `rank_launcher`
+    starts a parallel engine's ranks 1.. (see build_parts).
 
     The model is loaded on the engine's step thread, the thread every step runs on: one
     OpenMP team per process (see async_engine)."""
     def build():
-        parts = build_parts(config, progress)
+        parts = build_parts(config, progress, rank_launcher)
         runner = parts.executor.runner
         gpu_source, gpu_sink = build_gpu_kv(runner, _staging_bytes(parts), gpu_transports, gpu_node)
         pulled = PulledKVLoader(parts.executor.runner, parts.config.cache.block_size, inner=parts.connector)

@@ -274,7 +274,8 @@ class ServingConfig(_Base):
         data["router"] = {"config": data["router"]["config"]}
         for role in ("prefill", "decode"):
             if data[role] is not None:
-                data[role] = {"engine_overrides": data[role]["engine_overrides"]}
+                data[role] = {"engine_overrides": data[role]["engine_overrides"],
+                              "rank_launch": data[role]["rank_launch"]}
         return data
 
     def placement(self, role: str) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from kvmesh.serve.autoscale import LatencyWindow, replica_metrics
 from kvmesh.serve.config import ServingConfig
 from kvmesh.serve.loop import LoopThread
 from kvmesh.serve.openai import Backend, GrpcBackend, InProcessBackend, create_app, start_http
+from kvmesh.serve.rank_actors import RayRankLauncher
 from kvmesh.serve.registry import GcsRegistry, GcsWorkerRegistration
 from kvmesh.telemetry.metrics import exposition
 from kvmesh.telemetry.tracing import configure_tracing
@@ -62,9 +63,13 @@ def _with_threads(engine: EngineConfig) -> EngineConfig:
 
 async def _start_worker(engine_config: EngineConfig, cfg: ServingConfig, role: str,
                         latency: LatencyWindow) -> WorkerServer:
+    # rank_launch actors: ranks 1.. of a parallel engine are Ray actors in this replica's
+    # placement group (kvmesh.serve.rank_actors); else the engine's child processes.
+    actors = cfg.roles()[role].rank_launch == "actors" and engine_config.parallel.world_size > 1
     server = build_worker(engine_config, WorkerServerConfig(
         role=role, host=cfg.host, port=0, model_id=cfg.model_id, transfer_ttl_s=cfg.transfer_ttl_s),
-        auth=InternalAuth.load(cfg.security.internal_token_file), on_outputs=latency.observe)
+        auth=InternalAuth.load(cfg.security.internal_token_file), on_outputs=latency.observe,
+        rank_launcher=RayRankLauncher() if actors else None)
     await server.start()
     return server
 

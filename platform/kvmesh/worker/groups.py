@@ -47,15 +47,16 @@ class ParallelGroups:
         return self.tp.size * (self.pp.size if self.pp is not None else 1)
 
 
-def connect(rank: int, tp: int, pp: int, store: Any, timeout_s: float) -> ParallelGroups:
-    """Rank `rank`'s groups: gloo process groups of their own over `store` (a TCPStore on
-    loopback, under prefixes of their own), so several workers in one Python process (tests)
-    never share a default group."""
+def connect(rank: int, tp: int, pp: int, store: Any, timeout_s: float, host: str = "127.0.0.1") -> ParallelGroups:
+    """Rank `rank`'s groups: gloo process groups of their own over `store` (a TCPStore,
+    under prefixes of their own), so several workers in one Python process (tests) never
+    share a default group. `host`: the address this rank's gloo connections bind to
+    (loopback for ranks on one machine; the node's address for rank actors on several)."""
     from torch.distributed import PrefixStore, ProcessGroupGloo
 
     opts = ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)  # every collective's limit: a wedged rank
-    opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
 
     def group(name: str, member: int, size: int):
         return ProcessGroupGloo(PrefixStore(f"{_STORE_PREFIX}-{name}", store), member, size, opts)
@@ -69,18 +70,19 @@ def connect(rank: int, tp: int, pp: int, store: Any, timeout_s: float) -> Parall
     return ParallelGroups(rank, tp_group, PipelineGroup(stage, pp, world, peers))
 
 
-def master_store(size: int, timeout_s: float):
-    """Rank 0's TCPStore on a free loopback port (read `.port` for the other ranks)."""
+def master_store(size: int, timeout_s: float, host: str = "127.0.0.1"):
+    """Rank 0's TCPStore on a free port of `host` (read `.port` for the other ranks)."""
     from torch.distributed import TCPStore
 
-    return TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
+    return TCPStore(host, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
                     wait_for_workers=False)
 
 
-def join_store(port: int, size: int, timeout_s: float):
+def join_store(port: int, size: int, timeout_s: float, host: str = "127.0.0.1"):
+    """The other ranks' client of rank 0's store at `host`:`port`."""
     from torch.distributed import TCPStore
 
-    return TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=timeout_s))
+    return TCPStore(host, port, size, False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def gather_to_root(tp: TPGroup, tensor: torch.Tensor) -> list[torch.Tensor]:

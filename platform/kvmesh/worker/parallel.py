@@ -41,7 +41,7 @@ from kvmesh.errors import RankFailedError
 from kvmesh.worker.groups import (ParallelGroups, connect, master_store, read_group_blocks, stage_ranges,
                                   whole_spec, write_group_blocks)
 from kvmesh.worker.model_runner import ModelRunner
-from kvmesh.worker.rank_process import RankProcesses
+from kvmesh.worker.rank_process import ProcessLauncher, RankGroup, RankLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ParallelRunner:
     wire layout of `read_blocks`); `local.spec` holds rank 0's part (its heads of its
     stage's layers); `stages` are the stages' layer ranges."""
 
-    def __init__(self, local: ModelRunner, ranks: RankProcesses, groups: ParallelGroups, store: Any = None):
+    def __init__(self, local: ModelRunner, ranks: RankGroup, groups: ParallelGroups, store: Any = None):
         self.local, self.ranks, self.groups = local, ranks, groups
         self._store = store  # the group's TCPStore lives as long as the group
         self.kind = ranks.kind
@@ -119,16 +119,17 @@ class ParallelRunner:
 
 
 def start_group(tp: int, pp: int, threads: int, make_runner: Callable[[ParallelGroups], ModelRunner],
-                timeout_s: float = COLLECTIVE_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S
-                ) -> tuple[ParallelGroups, RankProcesses, Any]:
-    """Spawn ranks 1..tp*pp-1 (each calls `make_runner` with its ParallelGroups) and join
-    rank 0 to their gloo groups; returns (rank 0's groups, the processes, the store to keep
-    alive). Rank 0 then builds its own runner while the others build theirs; call
-    `ranks.wait_ready` after."""
-    store = master_store(tp * pp, start_timeout_s)
-    ranks = RankProcesses(tp, pp, store.port, timeout_s, threads, make_runner)
+                timeout_s: float = COLLECTIVE_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S,
+                launcher: RankLauncher | None = None) -> tuple[ParallelGroups, RankGroup, Any]:
+    """Start ranks 1..tp*pp-1 with `launcher` (default: child processes on loopback; each
+    calls `make_runner` with its ParallelGroups) and join rank 0 to their gloo groups;
+    returns (rank 0's groups, the ranks, the store to keep alive). Rank 0 then builds its
+    own runner while the others build theirs; call `ranks.wait_ready` after."""
+    launcher = launcher or ProcessLauncher()
+    store = master_store(tp * pp, start_timeout_s, launcher.host)
+    ranks = launcher(tp, pp, store.port, timeout_s, threads, make_runner)
     try:
-        groups = connect(0, tp, pp, store, timeout_s)
+        groups = connect(0, tp, pp, store, timeout_s, launcher.host)
     except BaseException as exc:
         why = ranks.failure()
         ranks.close()

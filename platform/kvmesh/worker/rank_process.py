@@ -11,7 +11,8 @@ composition root), says "ready", then serves rank 0's calls in order until "shut
     ("read_blocks", ids)        join rank 0's gather of those blocks' KV (its heads, its layers)
     ("write_blocks", ids)       join rank 0's scatter of those blocks' KV
 
-Calls travel over one pipe per rank (pickled; a SchedulerOutput is a few KB); tensors travel
+Calls travel over one connection per rank (pickled; a SchedulerOutput is a few KB): a pipe
+to a child process here, a socket to a Ray actor (kvmesh.serve.rank_actors); tensors travel
 over gloo. A rank that fails sends ("error", traceback) and exits, which closes its gloo
 connections: rank 0's pending collective fails at once instead of waiting out the timeout.
 A rank whose pipe closes (rank 0's process died) exits too: no orphans.
@@ -23,10 +24,11 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 import traceback
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -37,12 +39,14 @@ logger = logging.getLogger(__name__)
 
 
 def rank_main(rank: int, tp: int, pp: int, port: int, timeout_s: float, threads: int,
-              make_runner: Callable[[ParallelGroups], Any], conn) -> None:
-    """A rank process's whole life (the spawn target)."""
+              make_runner: Callable[[ParallelGroups], Any], conn, store_host: str = "127.0.0.1",
+              host: str = "127.0.0.1") -> None:
+    """A rank's whole life (the spawn target; a rank actor's `run`): join rank 0's store at
+    `store_host`:`port` and the gloo groups (bound to `host`), build the runner, serve."""
     torch.set_num_threads(threads)
     try:
-        store = join_store(port, tp * pp, timeout_s)
-        groups = connect(rank, tp, pp, store, timeout_s)
+        store = join_store(port, tp * pp, timeout_s, store_host)
+        groups = connect(rank, tp, pp, store, timeout_s, host)
         runner = make_runner(groups)
         conn.send(("ready", None))
     except BaseException:
@@ -78,33 +82,46 @@ _HANDLERS: dict[str, Callable[..., None]] = {
 }
 
 
-class RankProcesses:
-    """Ranks 1..size-1 of a group, seen from rank 0: start, call, check, stop."""
+def group_kind(tp: int, pp: int) -> str:
+    return "tensor" if pp == 1 else "pipeline" if tp == 1 else "tensor x pipeline"
 
-    def __init__(self, tp: int, pp: int, port: int, timeout_s: float, threads: int,
-                 make_runner: Callable[[ParallelGroups], Any]):
-        ctx = multiprocessing.get_context("spawn")
-        size = tp * pp
-        self.size, self.timeout_s = size, timeout_s
-        self.kind = "tensor" if pp == 1 else "pipeline" if tp == 1 else "tensor x pipeline"
-        self.procs: list[multiprocessing.process.BaseProcess] = []
-        self.conns = []
-        for rank in range(1, size):
-            ours, theirs = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=rank_main, name=f"kvmesh-rank{rank}", daemon=True,
-                               args=(rank, tp, pp, port, timeout_s, threads, make_runner, theirs))
-            proc.start()
-            theirs.close()
-            self.procs.append(proc)
-            self.conns.append(ours)
-        # Garbage collection and interpreter exit stop the ranks too (an LLM dropped without close()).
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
 
+class RankGroup:
+    """Ranks 1..size-1 of a group, seen from rank 0: one call connection per rank (a pipe to
+    a process, or a socket to a Ray actor: kvmesh.serve.rank_actors), the calls, the checks,
+    the stop. Subclasses say how a rank is started, whether it is alive, and how it is stopped."""
+
+    def __init__(self, tp: int, pp: int, timeout_s: float):
+        self.size, self.timeout_s = tp * pp, timeout_s
+        self.kind = group_kind(tp, pp)
+        self.conns: list[Any] = []  # conns[r - 1]: rank r's (None until it connects)
+
+    # -- what a launcher provides ----------------------------------------------------------
+    def _alive(self, rank: int) -> bool:
+        raise NotImplementedError
+
+    def _describe(self, rank: int) -> str:
+        """Where rank `rank` runs and its state, for error messages."""
+        raise NotImplementedError
+
+    def _connected(self, timeout_s: float) -> None:
+        """Block until every rank's call connection exists (processes: at once)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    # -- the calls --------------------------------------------------------------------------
     def wait_ready(self, timeout_s: float) -> None:
         """Block until every rank has built its runner; RankFailedError with its traceback if one failed."""
+        deadline = time.monotonic() + timeout_s
+        self._connected(timeout_s)
         for rank, conn in enumerate(self.conns, start=1):
-            if not conn.poll(timeout_s):
-                raise RankFailedError(f"{self.kind} parallel rank {rank} did not start within {timeout_s:g}s")
+            while not conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+                if not self._alive(rank):
+                    raise RankFailedError(f"{self.kind} parallel rank {rank} ({self._describe(rank)}) "
+                                          "exited while starting")
+                if time.monotonic() >= deadline:
+                    raise RankFailedError(f"{self.kind} parallel rank {rank} did not start within {timeout_s:g}s")
             status, detail = self._recv(rank, conn)
             if status != "ready":
                 raise RankFailedError(f"{self.kind} parallel rank {rank} failed to start:\n{detail}")
@@ -119,18 +136,16 @@ class RankProcesses:
 
     def failure(self) -> str | None:
         """Why the group cannot run (a rank exited, or reported an error), or None."""
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+        for rank in range(1, self.size):
+            conn = self.conns[rank - 1] if rank <= len(self.conns) else None
             detail = None
             try:
-                if conn.poll():
+                if conn is not None and conn.poll():
                     detail = self._recv(rank, conn)[1]
             except RankFailedError as exc:
                 detail = str(exc)
-            if detail is not None or not proc.is_alive():
-                code = proc.exitcode
-                how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
-                state = "running" if code is None else how
-                return f"{self.kind} parallel rank {rank} (pid {proc.pid}) failed ({state})" + (
+            if detail is not None or not self._alive(rank):
+                return f"{self.kind} parallel rank {rank} ({self._describe(rank)}) failed" + (
                     f":\n{detail}" if detail else "")
         return None
 
@@ -138,10 +153,59 @@ class RankProcesses:
         try:
             return conn.recv()
         except (EOFError, OSError) as exc:
-            raise RankFailedError(f"{self.kind} parallel rank {rank} closed its pipe ({exc!r})") from None
+            raise RankFailedError(f"{self.kind} parallel rank {rank} closed its connection ({exc!r})") from None
+
+
+class RankProcesses(RankGroup):
+    """Ranks 1..size-1 as child processes of rank 0's (spawn), each with a pipe."""
+
+    def __init__(self, tp: int, pp: int, port: int, timeout_s: float, threads: int,
+                 make_runner: Callable[[ParallelGroups], Any]):
+        super().__init__(tp, pp, timeout_s)
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        for rank in range(1, self.size):
+            ours, theirs = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=rank_main, name=f"kvmesh-rank{rank}", daemon=True,
+                               args=(rank, tp, pp, port, timeout_s, threads, make_runner, theirs))
+            proc.start()
+            theirs.close()
+            self.procs.append(proc)
+            self.conns.append(ours)
+        # Garbage collection and interpreter exit stop the ranks too (an LLM dropped without close()).
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+
+    def _alive(self, rank: int) -> bool:
+        return self.procs[rank - 1].is_alive()
+
+    def _describe(self, rank: int) -> str:
+        proc = self.procs[rank - 1]
+        code = proc.exitcode
+        state = "running" if code is None else f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+        return f"pid {proc.pid}, {state}"
 
     def close(self) -> None:
         self._finalizer()
+
+
+class RankLauncher(Protocol):
+    """How a group's ranks 1.. start: `host` is the address rank 0's store and gloo bind to
+    (every rank must reach it); calling it starts the ranks and returns their RankGroup."""
+
+    host: str
+
+    def __call__(self, tp: int, pp: int, port: int, timeout_s: float, threads: int,
+                 make_runner: Callable[[ParallelGroups], Any]) -> RankGroup: ...
+
+
+class ProcessLauncher:
+    """Starts a group's ranks 1.. as this process's children, on loopback (the default)."""
+
+    host = "127.0.0.1"
+
+    def __call__(self, tp: int, pp: int, port: int, timeout_s: float, threads: int,
+                 make_runner: Callable[[ParallelGroups], Any]) -> RankGroup:
+        return RankProcesses(tp, pp, port, timeout_s, threads, make_runner)
 
 
 def _stop(procs: list, conns: list, grace_s: float = 5.0) -> None:
