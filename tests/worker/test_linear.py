@@ -107,7 +107,7 @@ def test_skinny_kernel_matches_reference(dtype, tol, rows, out_features):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
-@pytest.mark.parametrize("rows", [1, 5, 12, 16, 17, 33, 48, 64, 65, 130])  # every register tile, partial and multi-block
+@pytest.mark.parametrize("rows", [1, 5, 8, 12, 16, 17, 24, 33, 40, 48, 56, 64, 65, 130])  # every register tile (half vectors too), partial and multi-block
 @pytest.mark.parametrize("out_features", [1, 6, 13, 131])  # whole tiles of 6 / 8 / 12 / 16 rows and remainders
 def test_small_kernel_matches_reference(dtype, tol, rows, out_features):
     if not native.load():
