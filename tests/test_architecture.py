@@ -114,6 +114,7 @@ SAMPLES = {
     ("cache", "kv_cache_memory_fraction"): "0.5", ("cache", "enable_prefix_caching"): None,
     ("cache", "gpu_memory_utilization"): "0.9",
     ("cache", "kv_cache_dtype"): "int8",
+    ("cache", "kv_cache_populate"): "startup",
     ("scheduler", "max_num_seqs"): "7", ("scheduler", "max_num_batched_tokens"): "333",
     ("scheduler", "step_timeout_s"): "30", ("parallel", "tensor_parallel_size"): "2",
     ("parallel", "pipeline_parallel_size"): "2", ("parallel", "distributed_backend"): "gloo", ("cache", "max_pinned_fraction"): "0.25",

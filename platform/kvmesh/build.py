@@ -172,7 +172,8 @@ def _load_runner(config: EngineConfig, path: Path, max_positions: int, max_model
                        num_kv_heads=local_kv_heads(arch, tp.size if tp else 1),
                        driver=groups is None or groups.rank == 0,
                        pipeline=PipelineForward(groups.pp, arch.hidden_size, dtype, device) if pp else None,
-                       num_layers=len(pp.layer_range(arch.num_layers)) if pp else None)
+                       num_layers=len(pp.layer_range(arch.num_layers)) if pp else None,
+                       kv_populate=cc.kv_cache_populate)
 
 
 def _start_group(tp: int, pp: int, threads: int, load: Callable[..., ModelRunner],
@@ -333,7 +334,8 @@ def _build_proposer(config: EngineConfig, spec: SpeculativeConfig, path: Path, m
                 f"{arch.vocab_size}; a draft must share the target's tokenizer")
     runner = ModelRunner(draft, draft_arch, config.cache.block_size, num_blocks, device,
                          seed=mc.seed + 1, attention_backend=config.attention_backend, kernels=config.kernels,
-                         kv_quant=kvq.resolve(config.cache.kv_cache_dtype, device))
+                         kv_quant=kvq.resolve(config.cache.kv_cache_dtype, device),
+                         kv_populate=config.cache.kv_cache_populate)
     return DraftModelProposer(runner, spec.num_speculative_tokens)
 
 

@@ -53,6 +53,14 @@ class CacheConfig(_Base):
     kv_cache_memory_gb: float = Field(
         2.0, gt=0, description="KV cache size in GiB when num_blocks is not set (CPU)."
     )
+    kv_cache_populate: Literal["background", "startup"] = Field(
+        "background",
+        description="When the CPU KV cache's memory is mapped (worker/kv_memory.py). background: the worker "
+        "is ready at once and a low-priority thread maps the pages (a busy worker maps the rest as its steps "
+        "first write them, a few % of throughput until every block has been used once). startup: all of it "
+        "before the engine is ready, as vLLM's zeroed cache (2 GiB: ~0.3-5 s, longest on a fresh VM). The "
+        "offline LLM class defaults to startup.",
+    )
     kv_cache_memory_fraction: float = Field(
         0.85, gt=0, le=1, description="Fraction of free accelerator memory for KV (CUDA)."
     )

@@ -27,7 +27,11 @@ class LLM:
     def __init__(self, model: str | None = None, progress: bool = True, config: EngineConfig | None = None, **kwargs):
         if config is not None and (model is not None or kwargs):
             raise ValueError("LLM: pass either config=EngineConfig(...) or model and EngineConfig keyword arguments")
-        config = config if config is not None else EngineConfig.from_kwargs(model=model, **kwargs)
+        if config is None:
+            # An offline batch runs at full speed from its first step: the KV cache is mapped
+            # before it starts, as vLLM's zeroed cache (served workers map it in the background).
+            kwargs.setdefault("kv_cache_populate", "startup")
+            config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = build_engine(config, progress=progress)
         self._counter = 0
 

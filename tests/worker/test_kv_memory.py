@@ -2,6 +2,7 @@
 assume (padded reads of the null block must be finite) without a memset at start, then
 populated in the background without changing what the engine already wrote."""
 
+import ctypes
 import gc
 import mmap
 import platform
@@ -12,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from kvmesh import SamplingParams
+from kvmesh import LLM, SamplingParams
 from kvmesh.build import build_engine
 from kvmesh.worker import kv_memory
 from kvmesh.worker.kv_memory import populate, populate_in_background, zeroed_tensor
@@ -23,6 +24,18 @@ CPU = torch.device("cpu")
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / (1 << 20)
+
+
+def _resident_fraction(t: torch.Tensor) -> float:
+    """The fraction of `t`'s pages mapped in memory (mincore(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = t.data_ptr() - t.data_ptr() % page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = -(-length // page)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / pages
 
 
 def _kernel_populates() -> bool:
@@ -108,3 +121,28 @@ def test_engine_cache_starts_zero_and_returns_every_block(model_factory):
     assert len(done[0].outputs[0].token_ids) == 4
     assert any(torch.count_nonzero(k) > 0 for k, _ in runner.kv_caches)  # the prompt's KV was written
     assert engine.num_free_blocks == engine.num_usable_blocks
+
+
+def test_startup_populate_maps_the_cache_before_the_engine_is_ready(model_factory):
+    """kv_cache_populate=startup maps every page of the cache before build_engine returns (no
+    background thread, no page faults in the first steps); the offline LLM class defaults to
+    it, a served worker's engine (the config default) to the background thread."""
+    if not _kernel_populates():
+        pytest.skip("MADV_POPULATE_WRITE needs Linux >= 5.14: the cache stays lazy there")
+    model = str(model_factory())
+    engine = build_engine(model=model, progress=False, num_blocks=64, num_threads=1, kv_cache_populate="startup")
+    runner = engine.executor.runner
+    assert runner.kv_populate is None
+    tensors = [t for kv in runner.kv_caches for t in kv]
+    assert all(_resident_fraction(t) == 1.0 for t in tensors)
+    assert all(torch.count_nonzero(t) == 0 for t in tensors)
+    engine.close()
+
+    with LLM(model=model, progress=False, num_blocks=64, num_threads=1) as llm:
+        assert llm.engine.config.cache.kv_cache_populate == "startup"
+        assert llm.engine.executor.runner.kv_populate is None
+    with LLM(model=model, progress=False, num_blocks=64, num_threads=1, kv_cache_populate="background") as llm:
+        assert llm.engine.executor.runner.kv_populate is not None
+    fresh = build_engine(model=model, progress=False, num_blocks=64, num_threads=1)
+    assert fresh.config.cache.kv_cache_populate == "background" and fresh.executor.runner.kv_populate is not None
+    fresh.close()

@@ -11,6 +11,13 @@ zero memory (`zeroed_tensor`) and a low-priority thread then asks the kernel to 
 it (`populate_in_background`: madvise MADV_POPULATE_WRITE, Linux >= 5.14, which maps the
 pages without writing their contents), paced to a fifth of the time: the worker is ready at
 once and at full speed seconds later. Elsewhere (older kernels, other systems) the pages stay lazy.
+
+The thread runs at nice 19, so a worker busy from its first second (a load test, an offline
+batch) starves it: on a 2-vCPU Zen 4 VM it was still running after a minute of steps, which
+then took the faults themselves (huge pages on memory the VM had never touched: 2 GiB cost
+3-5 s to map, ~7% of an offline pass that wrote ~0.9 GiB of fresh blocks). So
+`kv_cache_populate: startup` (the offline `LLM`'s default) maps the whole cache with `populate`
+before the engine is ready, as vLLM's zeroed cache does.
 """
 
 from __future__ import annotations

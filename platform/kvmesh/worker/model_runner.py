@@ -23,7 +23,7 @@ from kvmesh.layers.lora import LoRABatch, lora_batch
 from kvmesh.models.arch import ArchConfig
 from kvmesh.worker.cuda_graphs import DecodeGraphs, GraphRecorder
 from kvmesh.worker.host_memory import keep_freed_memory
-from kvmesh.worker.kv_memory import populate_in_background, zeroed_tensor
+from kvmesh.worker.kv_memory import populate, populate_in_background, zeroed_tensor
 from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.pipeline import PipelineForward
 from kvmesh.worker.prompt_logprobs import compute_prompt_logprobs
@@ -86,7 +86,8 @@ class ModelRunner:
                  cuda_graph_max_batch: int = 0, max_model_len: int = 0, graph_recorder: GraphRecorder | None = None,
                  kernels: KernelConfig | None = None, grammar: GrammarMasks | None = None,
                  lora: LoRAManager | None = None, kv_quant: str | None = None, num_kv_heads: int | None = None,
-                 driver: bool = True, pipeline: PipelineForward | None = None, num_layers: int | None = None):
+                 driver: bool = True, pipeline: PipelineForward | None = None, num_layers: int | None = None,
+                 kv_populate: str = "background"):
         """`cuda_graph_max_batch` > 0 captures decode graphs up to that batch (CUDA, or any
         device with a `graph_recorder`, for tests); `max_model_len` bounds their contexts.
         `grammar` masks the logits of requests with structured outputs (worker/structured.py);
@@ -116,8 +117,13 @@ class ModelRunner:
         self.spec = KVCacheSpec(num_layers or arch.num_layers, block_size, num_kv_heads or arch.num_kv_heads,
                                 arch.head_dim, self.dtype, kv_quant)
         self.kv_caches = self._allocate_kv(num_blocks, device)
-        self.kv_populate = populate_in_background([t for kv in self.kv_caches for t in kv]) \
-            if device.type == "cpu" else None
+        self.kv_populate = None  # the background populate thread, if any
+        if device.type == "cpu":
+            kv_tensors = [t for kv in self.kv_caches for t in kv]
+            if kv_populate == "startup":
+                populate(kv_tensors)
+            else:
+                self.kv_populate = populate_in_background(kv_tensors)
         self.backend = get_attention_backend(attention_backend, block_size, device, kernels)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._req_generators: dict[str, torch.Generator] = {}
