@@ -18,6 +18,12 @@ compute: the bubble). Medians over the steps of `--repeats` rounds; the configur
 alternate round by round. On 2 cores nothing gets faster: the point is the split of the
 step into compute and communication, and the bytes per all-reduce against the step.
 
+A second table times decode steps unmetered (the meter sends TP steps through the layer
+loop, whose all-reduces it can time) on a Llama-layered model (default: the `llama-small`
+random model, qwen3-dense-small without q/k norm), the one the CPU decode stack runs
+(layers/decode_stack.py): TP=1, TP=2 with the stack (its all-reduces from C++) and TP=2
+with `decode_stack=False` (the layer loop), at batch 1, 4 and --decode-batch.
+
     python benchmarks/parallel_comm.py [--configs tp1,tp2,pp2] [--repeats 3]
     python benchmarks/parallel_comm.py --quick --model PATH --out-dir DIR   # a smoke run
 
@@ -43,12 +49,16 @@ CONFIGS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
 KINDS = ("all_reduce", "all_gather", "pp_send", "pp_wait")
 
 
-def build_llm(model: str, tp: int, pp: int, threads: int, max_model_len: int, num_blocks: int):
+# The decode-stack table: name -> (tp, engine options).
+STACK_CONFIGS = {"tp1": (1, {}), "tp2-stack": (2, {}), "tp2-loop": (2, {"decode_stack": False})}
+
+
+def build_llm(model: str, tp: int, pp: int, threads: int, max_model_len: int, num_blocks: int, **kw):
     from kvmesh.llm import LLM
 
     return LLM(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_threads=threads,
                max_model_len=max_model_len, num_blocks=num_blocks, block_size=16, progress=False,
-               enable_prefix_caching=False)
+               enable_prefix_caching=False, **kw)
 
 
 def timed_step(engine) -> tuple[float, dict]:
@@ -84,6 +94,48 @@ def one_round(llm, args, round_no: int) -> dict[str, list[tuple[float, dict]]]:
     while engine.has_unfinished():
         out["decode"].append(timed_step(engine))
     return out
+
+
+def decode_steps(llm, batch: int, steps: int, seed: int) -> list[float]:
+    """Seconds of each of `steps` unmetered decode steps of `batch` sequences."""
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    for i, ids in enumerate(prompts(batch, 32, seed, len(llm.tokenizer))):
+        engine.add_request(f"s{seed}-{batch}-{i}", ids, params)
+    engine.step()  # their prefill, untimed
+    out = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def stack_table(model: str, args, max_len: int, blocks: int) -> list[dict]:
+    """Median unmetered decode step per STACK_CONFIGS entry and batch (configurations alternating)."""
+    llms = {}
+    for name, (tp, kw) in tqdm(STACK_CONFIGS.items(), desc="building decode-stack engines", unit="engine"):
+        llms[name] = build_llm(model, tp, 1, max(1, args.threads // tp), max_len, blocks, **kw)
+    batches = sorted({1, 4, args.decode_batch})
+    samples: dict[tuple[str, int], list[float]] = {}
+    names = list(llms)
+    try:
+        for name in names:  # warm-up
+            for b in batches:
+                decode_steps(llms[name], b, 2, -1)
+        with tqdm(total=args.repeats * len(names), desc="decode-stack rounds", unit="config") as bar:
+            for rnd in range(args.repeats):
+                for name in (names if rnd % 2 == 0 else names[::-1]):
+                    for b in batches:
+                        samples.setdefault((name, b), []).extend(decode_steps(llms[name], b, args.decode_steps, rnd))
+                    bar.update()
+    finally:
+        for llm in llms.values():
+            llm.close()
+    return [{"config": name, "batch": b, "steps": len(samples[(name, b)]),
+             "step_ms": median(samples[(name, b)]) * 1e3} for name in names for b in batches]
 
 
 def summarize(samples: list[tuple[float, dict]]) -> dict:
@@ -133,6 +185,16 @@ def render(data: dict) -> str:
                        "all-reduce ms", "all-gather ms", "PP bytes sent", "PP wait ms"], rows, "llrrrrrrrrr")
     lines += ["", "All-reduce count per step = 2 per layer (attention output, MLP down) + 1 (vocab-parallel "
               "embedding); bytes per all-reduce = tokens x hidden x 4 (fp32).", ""]
+    if data.get("stack_rows"):
+        ms = {(r["config"], r["batch"]): r["step_ms"] for r in data["stack_rows"]}
+        batches = sorted({r["batch"] for r in data["stack_rows"]})
+        rows = [[f"{b}", *(f"{ms[(c, b)]:.2f}" for c in STACK_CONFIGS),
+                 f"{ms[('tp2-loop', b)] / ms[('tp2-stack', b)]:.2f}x"] for b in batches]
+        lines += [f"## Decode steps, unmetered: the CPU decode stack at TP=2 ({Path(data['stack_model']).name})", "",
+                  "Median decode step, ms; the stack runs each rank's layers (and its 2 all-reduces per layer) "
+                  "as one C++ call, the loop one Python call per op.", ""]
+        lines += md_table(["batch", "TP=1 ms", "TP=2 stack ms", "TP=2 loop ms", "loop / stack"], rows, "rrrrr")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -163,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-len", type=int, default=256)
     p.add_argument("--decode-batch", type=int, default=8)
     p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--stack-model", default=None,
+                   help="Llama-layered checkpoint of the decode-stack table (default: the llama-small random model; "
+                        "with --quick: --model)")
+    p.add_argument("--no-stack-table", action="store_true", help="skip the decode-stack table")
     p.add_argument("--quick", action="store_true", help="small steps, 1 round: a smoke run (results: *_quick)")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = p.parse_args(argv)
@@ -203,13 +269,22 @@ def main(argv: list[str] | None = None) -> int:
         COMM.enabled = False
         for llm in llms.values():
             llm.close()
+    stack_model, stack_rows = None, []
+    if not args.no_stack_table:
+        stack_model = args.stack_model or (args.model if args.quick else None)
+        if stack_model is None:
+            from random_model import build
+
+            stack_model = str(build("llama-small"))
+        stack_rows = stack_table(stack_model, args, max_len, blocks)
     load_end = load_snapshot()
     rows = [{"config": c, "phase": ph, **summarize(samples[(c, ph)])} for c in configs for ph in ("prefill", "decode")]
     data = {"benchmark": "parallel_comm", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "cpu": cpu_model(), "cpu_flags": cpu_flags(), "torch": torch.__version__, "threads": args.threads,
             "model": args.model, "model_name": Path(args.model).name, "repeats": args.repeats,
             "prefill_seqs": args.prefill_seqs, "prefill_len": args.prefill_len, "decode_batch": args.decode_batch,
-            "decode_steps": args.decode_steps, "load_start": load_start, "load_end": load_end, "rows": rows}
+            "decode_steps": args.decode_steps, "load_start": load_start, "load_end": load_end, "rows": rows,
+            "stack_model": stack_model, "stack_rows": stack_rows}
     md = render(data)
     print(md)
     for path in write_results("parallel_comm_quick" if args.quick else "parallel_comm", data, md, plot, args.out_dir):

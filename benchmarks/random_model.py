@@ -32,6 +32,10 @@ PRESETS = {
         hidden_size=HIDDEN, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
         intermediate_size=768, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
         rope_theta=1e6, sliding_window=None)),
+    # qwen3-dense-small without q/k norm: Llama's layer, the one the CPU decode stack runs.
+    "llama-small": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=HIDDEN, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        intermediate_size=1024, max_position_embeddings=4096, rope_theta=1e6)),
     # The dense model of the same active parameters as qwen3-moe-small (4 x 256 = 1024 wide MLP).
     "qwen3-dense-small": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         hidden_size=HIDDEN, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,

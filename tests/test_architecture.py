@@ -126,7 +126,8 @@ SAMPLES = {
     ("speculative", "max_batch_size"): "3", ("attention_backend",): "torch",
     ("cuda_graphs",): None, ("cuda_graph_max_batch_size",): "16",
     ("kernels", "cpu_kernels"): None, ("kernels", "native_isa"): "avx2", ("kernels", "layer_ops"): "torch",
-    ("kernels", "onednn_linear"): None, ("kernels", "small_gemm"): None, ("kernels", "quantized_cpu_gemm"): None, ("kernels", "keep_host_memory"): None,
+    ("kernels", "onednn_linear"): None, ("kernels", "small_gemm"): None, ("kernels", "quantized_cpu_gemm"): None,
+    ("kernels", "decode_stack"): None, ("kernels", "keep_host_memory"): None,
     ("lora", "modules"): "sql=/adapters/sql", ("lora", "max_loras"): "2", ("lora", "max_lora_rank"): "64",
     ("lora", "max_cpu_loras"): "8",
 }

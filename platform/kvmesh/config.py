@@ -241,6 +241,11 @@ class KernelConfig(_Base):
         True, description="int8 / int4 layers on the native quantized GEMM for decode-sized inputs "
         "(layers/csrc/quant_gemm.cpp, AVX2); off: dequantize then multiply.",
     )
+    decode_stack: bool = Field(
+        True, description="CPU: run a decode step's decoder layers as one C++ call where the step's shape "
+        "allows (layers/decode_stack.py; with tensor parallelism its all-reduces too); off: the layer loop, "
+        "the same kernels one Python call each (bit-identical, ~8% slower offline).",
+    )
     keep_host_memory: bool = Field(
         True, description="CPU: keep freed activation memory in the process (glibc mallopt: no mmap for "
         "blocks under 32 MiB, no trim of the heap) instead of handing it back to the kernel after every "

@@ -36,3 +36,8 @@ def test_parallel_comm_quick(tiny_llama, tmp_path):
         pp = rows[("pp2", phase)]
         assert "all_reduce" not in pp and pp["pp_send"]["bytes"] == tokens * hidden * 4  # stage 0's micro-batches
         assert 0 < pp["comm_share"] < 1
+    # The unmetered decode-stack table: TP=1, TP=2 with the stack and with the layer loop.
+    stack = {(r["config"], r["batch"]): r for r in data["stack_rows"]}
+    assert set(stack) == {(c, b) for c in ("tp1", "tp2-stack", "tp2-loop") for b in (1, data["decode_batch"])}
+    assert all(r["steps"] == data["decode_steps"] and r["step_ms"] > 0 for r in stack.values())
+    assert "the CPU decode stack at TP=2" in (tmp_path / "parallel_comm_quick.md").read_text()

@@ -15,6 +15,7 @@ from helpers import run_collecting_logits
 from kvmesh import SamplingParams
 from kvmesh.build import build_engine
 from kvmesh.errors import ConfigError, StepFailedError
+from kvmesh.layers import native
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [11, 12, 13]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -51,6 +52,41 @@ def test_tp2_equals_tp1(model_factory, case):
                                    rtol=tol, atol=tol)
     finally:
         two.close()
+
+
+@pytest.mark.skipif(not native.load(), reason="the decode stack needs the native CPU kernels (a C++ compiler)")
+@pytest.mark.parametrize("case", ["llama", "qwen2-biases", "kv-heads-replicated", "int8"])
+def test_tp2_decode_stack_equals_its_layer_loop(model_factory, stack_calls, case):
+    """At TP=2 each rank's decode steps run as one decode_stack call that all-reduces the
+    row-parallel outputs (and adds their biases after) from C++: the same collectives in the
+    same order as the layer loop, so the same bits as TP=2 with the stack off; and the ranks'
+    groups are released when the engine closes."""
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    model_kw, engine_kw = CASES[case]
+    common = {"model": str(model_factory(**model_kw)), "progress": False, "block_size": 4, "num_blocks": 64,
+              "tensor_parallel_size": 2, **engine_kw}
+    stack = build_engine(**common)
+    name = stack.executor.runner.groups.tp.name
+    try:
+        assert name, "the TP group must be registered for the C++ all-reduces"
+        stack_calls.clear()
+        got, logits = run_collecting_logits(stack, PROMPTS, GREEDY)
+        assert sum(stack_calls) == GREEDY.max_tokens - 1, "every two-row decode step should run the stack"
+    finally:
+        stack.close()
+    with pytest.raises(RuntimeError):
+        _resolve_process_group(name)
+    loop = build_engine(**common, decode_stack=False)
+    try:
+        stack_calls.clear()
+        ref, ref_logits = run_collecting_logits(loop, PROMPTS, GREEDY)
+        assert not any(stack_calls)
+    finally:
+        loop.close()
+    assert got == ref
+    for rid in ref:
+        assert torch.equal(torch.stack(logits[rid]), torch.stack(ref_logits[rid])), rid
 
 
 def test_chunked_prefill_prefix_hits_and_preemption(model_factory):

@@ -17,6 +17,12 @@ exactly the steps whose layer loop runs the same C++ kernels one Python call at 
 both paths give the same bits (at 8-64 rows the loop's Python and dispatch cost the
 48-request offline workload ~8%: 229-231 -> 250-251 tok/s with the stack).
 
+With tensor parallelism each rank's stack runs its own shards and sums the row-parallel
+outputs (o, down) over the group from C++ (the group registered by name: worker/groups.py),
+the same collectives in the same order as the layer loop, so the ranks' loops and stacks
+can even mix. While `op.COMM` meters communication (benchmarks/parallel_comm.py) a
+parallel step takes the layer loop, whose all-reduces it can time.
+
 The layers' tensors are gathered once (~800 module attribute reads, 1 ms a step) and again
 whenever a layer changes (layers/op.py `fast_paths_changed`: a rebind, a swapped or
 reloaded module).
@@ -67,7 +73,10 @@ class DecodeStack:
         # `layers` is called at each gather: the model's modules may be replaced after it is built.
         self.layers = layers
         self.num_heads, self.num_kv_heads, self.eps, self.scale = num_heads, num_kv_heads, eps, scale
-        self.enabled = ctx.device.type == "cpu" and ctx.kernels.cpu_kernels
+        self.tp = ctx.tp
+        # At TP > 1 the C++ side needs the group's registered name to all-reduce.
+        self.enabled = (ctx.device.type == "cpu" and ctx.kernels.cpu_kernels and ctx.kernels.decode_stack
+                        and (ctx.tp.size == 1 or bool(ctx.tp.name)))
         self._args: StackArgs | None = None
         self._generation = -1
 
@@ -83,13 +92,13 @@ class DecodeStack:
             [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_block_table, meta.decode_context_lens,
             self.num_heads, self.num_kv_heads, self.eps, self.scale, SKINNY_KERNEL_ROWS,
             [kv.k_scale for kv in kv_caches] if quantized else [], [kv.v_scale for kv in kv_caches] if quantized else [],
-            args.windows)
+            args.windows, self.tp.name if self.tp.size > 1 else "")
 
     def step_args(self, h: torch.Tensor, meta: AttentionMetadata, backend) -> StackArgs | None:
         """The gathered arguments when this step runs as the one op (see the module doc), else None."""
         t = h.shape[0]
         if (not self.enabled or not getattr(backend, "runs_decode_stack", False) or meta.prefills
-                or meta.num_decodes != t or lora.active()):
+                or meta.num_decodes != t or lora.active() or (self.tp.size > 1 and op.COMM.enabled)):
             return None
         small = t > SKINNY_KERNEL_ROWS
         if small and not (SMALL_GEMM_ROWS[0] <= t <= SMALL_GEMM_ROWS[1] and h.dtype == torch.float32):

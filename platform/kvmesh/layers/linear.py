@@ -251,10 +251,11 @@ class Linear(CustomOp):
 
     def stack_form(self) -> tuple[int, list[torch.Tensor]] | None:
         """How csrc/decode_stack.cpp runs this layer for up to SKINNY_KERNEL_ROWS rows:
-        (kind, tensors), or None where it cannot (no native kernel for the dtype, a
-        row-parallel reduce). Dense weights run the skinny GEMM, as `forward` does. A LoRA delta
-        does not matter here: the stack runs only steps without adapter rows."""
-        if not self._skinny_rows or self._reduce or self.weight.device.type != "cpu":
+        (kind, tensors), or None where it cannot (no native kernel for the dtype). Dense
+        weights run the skinny GEMM, as `forward` does; a row-parallel shard's sum and bias
+        the stack does itself, as `_forward_composed` (o and down are the row-parallel
+        layers). A LoRA delta does not matter here: the stack runs only steps without adapter rows."""
+        if not self._skinny_rows or self.weight.device.type != "cpu":
             return None
         return STACK_DENSE, [self.weight]
 

@@ -93,6 +93,11 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    # The name the group is registered under for native callers (the decode stack's
+    # all-reduces: worker/groups.py); "" where it is not (size 1, or torch cannot register it).
+    name: str = ""
+    # What that name resolves to (torch's registry holds it weakly): kept alive with the group.
+    native: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:

@@ -275,13 +275,11 @@ class LlamaForCausalLM(CausalLMWeights):
         if cfg.tie_word_embeddings and ctx.pp.first:
             self.lm_head.weight = self.model.embed_tokens.weight
         attn = self.model.held_layers()[0].self_attn
-        # Tensor parallel: off. csrc/decode_stack.cpp runs all layers in one call and cannot
-        # all-reduce between a row-parallel GEMM and the next norm (Linear.stack_form is None
-        # for those layers too); each rank runs the layer loop on the same native kernels.
-        # Pipeline parallel: on, over the stage's own layers and KV caches.
+        # Tensor parallel: each rank's stack runs its shards (its heads) and all-reduces the
+        # row-parallel outputs itself. Pipeline parallel: the stage's own layers and KV caches.
         self.decode_stack = (DecodeStack(lambda: [layer.stack_layer() for layer in self.model.held_layers()],
                                          attn.num_heads, attn.num_kv_heads, cfg.rms_norm_eps, attn.scale, ctx)
-                             if runs_decode_stack(cfg) and ctx.tp.size == 1 else None)
+                             if runs_decode_stack(cfg) else None)
 
     def init_rotary(self, device) -> None:
         """(Re)build the RoPE tables: non-persistent buffers that meta init leaves empty; they

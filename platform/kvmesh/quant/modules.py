@@ -195,9 +195,9 @@ class QuantLinear(nn.Module):
     def stack_form(self) -> tuple[int, list[torch.Tensor]] | None:
         """How the decode_stack op (layers/csrc/decode_stack.cpp) runs this layer for up to
         SKINNY_KERNEL_ROWS rows: what `forward` runs, the native kernel. None where forward
-        would not use that kernel (no kernel here, act-order, other layouts)."""
-        if (not self.native_gemm or not native_usable(SKINNY_KERNEL_ROWS, self.device) or self.perm is not None
-                or self.reduce_group is not None):
+        would not use that kernel (no kernel here, act-order, other layouts). A row-parallel
+        shard: the stack sums it over the group and adds the bias after, as `forward` does."""
+        if not self.native_gemm or not native_usable(SKINNY_KERNEL_ROWS, self.device) or self.perm is not None:
             return None
         is_int8, qweight, scales, offsets, mins, _, _, _ = self._fast or self._forward_args()
         if is_int8:

@@ -17,6 +17,8 @@ from their call loop, worker/rank_process.py).
 from __future__ import annotations
 
 import datetime
+import itertools
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +29,7 @@ from kvmesh.layers.op import PipelineStage, TPGroup
 from kvmesh.worker.pipeline import KV_TAG, PipelineGroup
 
 _STORE_PREFIX = "kvmesh-group"
+_names = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -61,13 +64,49 @@ def connect(rank: int, tp: int, pp: int, store: Any, timeout_s: float, host: str
     def group(name: str, member: int, size: int):
         return ProcessGroupGloo(PrefixStore(f"{_STORE_PREFIX}-{name}", store), member, size, opts)
 
+    def tp_group(name: str, member: int, size: int) -> TPGroup:
+        backend = group(name, member, size)
+        return TPGroup(member, size, backend, *register_native(backend, member, size, store))
+
     stage, t = divmod(rank, tp)
     if pp == 1:
-        return ParallelGroups(rank, TPGroup(t, tp, group("tp0", t, tp)))
+        return ParallelGroups(rank, tp_group("tp0", t, tp))
     world = group("world", rank, tp * pp)
-    tp_group = TPGroup(t, tp, world if tp == 1 else group(f"tp{stage}", t, tp))
+    tp_grp = TPGroup(t, tp, world) if tp == 1 else tp_group(f"tp{stage}", t, tp)
     peers = tuple(s * tp + t for s in range(pp))
-    return ParallelGroups(rank, tp_group, PipelineGroup(stage, pp, world, peers))
+    return ParallelGroups(rank, tp_grp, PipelineGroup(stage, pp, world, peers))
+
+
+def register_native(backend: Any, rank: int, size: int, store: Any) -> tuple[str, Any]:
+    """Register the gloo `backend` under a name of this process's own, so C++ can all-reduce
+    over it (csrc/decode_stack.cpp calls torch's functional all_reduce_ by group name):
+    (the name, the registered group), or ("", None) at size 1 or where this torch has no
+    registry (the decode stack then stays off at TP > 1). The registry takes a ProcessGroup,
+    so the backend is wrapped in one: the same gloo connections, so its collectives and the
+    Python ones run in one order. The registry holds it weakly: the caller keeps it (TPGroup
+    .native); `release` unregisters it."""
+    from torch.distributed import PrefixStore, ProcessGroup
+
+    register = getattr(torch._C._distributed_c10d, "_register_process_group", None)
+    if register is None or size == 1:
+        return "", None
+    wrapper = ProcessGroup(PrefixStore(f"{_STORE_PREFIX}-native", store), rank, size)
+    wrapper._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    wrapper._set_default_backend(ProcessGroup.BackendType.GLOO)
+    name = f"kvmesh-tp-{os.getpid()}-{next(_names)}"
+    register(name, wrapper)
+    return name, wrapper
+
+
+def release(groups: ParallelGroups) -> None:
+    """Drop the native registration of `groups` (idempotent): the registry would keep the
+    group's connections open after its worker closed."""
+    unregister = getattr(torch._C._distributed_c10d, "_unregister_process_group", None)
+    if groups.tp.name and unregister is not None:
+        try:
+            unregister(groups.tp.name)
+        except (RuntimeError, KeyError, ValueError):
+            pass  # released already
 
 
 def master_store(size: int, timeout_s: float, host: str = "127.0.0.1"):

@@ -38,7 +38,7 @@ import torch
 
 from kvmesh.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from kvmesh.errors import RankFailedError
-from kvmesh.worker.groups import (ParallelGroups, connect, master_store, read_group_blocks, stage_ranges,
+from kvmesh.worker.groups import (ParallelGroups, connect, master_store, read_group_blocks, release, stage_ranges,
                                   whole_spec, write_group_blocks)
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.rank_process import ProcessLauncher, RankGroup, RankLauncher
@@ -101,6 +101,7 @@ class ParallelRunner:
             self.broken = why
             logger.error("%s parallel group broken: %s", self.kind, why)
             self.ranks.close()
+            release(self.groups)
             raise RankFailedError(f"{self.kind} parallel group is down: {why}") from exc
 
     def health(self) -> tuple[bool, str]:
@@ -116,6 +117,7 @@ class ParallelRunner:
         if self.broken is None:
             self.broken = "closed"
         self.ranks.close()
+        release(self.groups)
 
 
 def start_group(tp: int, pp: int, threads: int, make_runner: Callable[[ParallelGroups], ModelRunner],

@@ -18,6 +18,15 @@
 //   h = h + linear(silu_and_mul(linear(x, gate_up)), down)
 // Returns h after the last layer (before the final norm), like LlamaForCausalLM.forward.
 //
+// Tensor parallel (`tp_group` names this rank's group; "" without TP): qkv and gate_up are
+// this rank's column shards (num_heads, num_kv_heads and the intermediate size are its own),
+// o and down its row shards, whose partial outputs are summed over the group before their
+// bias is added, as layers/linear.py's row-parallel Linear does:
+//   a = all_reduce(o_shard(attn)) + o_bias,  m = all_reduce(down_shard(...)) + down_bias
+// The sum goes through the dispatcher's _c10d_functional::all_reduce_ on the group torch
+// resolves by that name (worker/groups.py registers it), so this file needs no c10d header
+// and every rank runs the same collectives in the same order as the layer loop.
+//
 // A linear is one of (linear_kinds; its tensors are taken from linear_tensors in turn):
 //   0 dense     [weight (N, K)]: the skinny GEMM (skinny_gemm.cpp), bias added in-kernel
 //   1 int8      [qweight, scales]            } kvmesh's weight-only quantized GEMM
@@ -31,16 +40,49 @@
 // Activations, norms, biases, dense weights and the KV cache share one dtype: float32 or
 // bfloat16 (quantized layers: float32 only), or the caches are int8 with their scales (an
 // 8-bit KV cache, layers/kv_cache.py; k_scales / v_scales empty: a float cache).
+#include <Python.h>
+
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
 
 namespace {
+
+// Lets other Python threads run while this one blocks in a collective, as
+// torch.distributed's own calls do: a rank that wedges keeps rank 0 in the wait for up to
+// the group's timeout, and the step watchdog and health checks must still answer.
+class GilRelease {
+ public:
+  GilRelease() : state_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~GilRelease() {
+    if (state_ != nullptr) PyEval_RestoreThread(state_);
+  }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
+// Sums `y` over the process group registered as `group`, in place (torch.distributed's
+// functional all_reduce_, then its wait).
+void all_reduce(at::Tensor& y, const std::string& group) {
+  static const auto reduce =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_reduce_", "");
+  static const auto wait = c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::wait_tensor", "");
+  GilRelease released;
+  torch::jit::Stack stack{y, std::string("sum"), group};
+  reduce.callBoxed(&stack);
+  stack = {y};
+  wait.callBoxed(&stack);
+}
 
 enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt4Mins = 3 };
 
@@ -51,10 +93,19 @@ struct StackLinear {
   std::optional<at::Tensor> bias;
   int64_t skinny_rows;  // dense layers: the skinny GEMM up to this many rows, the small-batch one above
 
-  at::Tensor operator()(const at::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const { return run(x, bias); }
+
+  // A row-parallel shard: its partial product summed over `group`, then the bias.
+  at::Tensor reduced(const at::Tensor& x, const std::string& group) const {
+    at::Tensor y = run(x, std::nullopt);
+    all_reduce(y, group);
+    return bias.has_value() ? y.add(*bias) : y;
+  }
+
+  // The GEMM plus `b` (the bias, or none for a shard whose sum gets it).
+  at::Tensor run(const at::Tensor& x, const std::optional<at::Tensor>& b) const {
     if (kind == kDense)
-      return x.size(0) <= skinny_rows ? kvmesh_cpu::skinny_linear(x, t[0], bias)
-                                      : kvmesh_cpu::small_linear(x, t[0], bias);
+      return x.size(0) <= skinny_rows ? kvmesh_cpu::skinny_linear(x, t[0], b) : kvmesh_cpu::small_linear(x, t[0], b);
     const int64_t M = x.size(0), K = x.size(1), N = t[0].size(0);
     auto y = at::empty({M, N}, x.options());
     if (kind == kInt8) {
@@ -68,7 +119,7 @@ struct StackLinear {
           static_cast<const uint16_t*>(t[2].data_ptr()), kind == kInt4Mins ? 1 : 0, G, N, y.data_ptr<float>());
       TORCH_CHECK(rc == 0, "decode_stack: the int4 kernel could not allocate its scratch buffer");
     }
-    return bias.has_value() ? y.add(*bias) : y;
+    return b.has_value() ? y.add(*b) : y;
   }
 };
 
@@ -133,7 +184,8 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
                         at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
                         double scale, int64_t skinny_rows, at::TensorList k_scales, at::TensorList v_scales,
-                        at::IntArrayRef windows) {
+                        at::IntArrayRef windows, c10::string_view tp_group) {
+  const std::string group(tp_group);
   const int64_t L = static_cast<int64_t>(k_caches.size());
   const bool quant_kv = !k_scales.empty();
   TORCH_CHECK(static_cast<int64_t>(k_scales.size()) == (quant_kv ? L : 0) && v_scales.size() == k_scales.size(),
@@ -214,9 +266,11 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
       write_kv(vc, v, slots, T);
       o = paged_decode_attention(q, kc, vc, block_tables, context_lens, scale, window);
     }
-    at::Tensor a = lin[1](o.view({T, q_width}));
+    at::Tensor attn = o.view({T, q_width});
+    at::Tensor a = group.empty() ? lin[1](attn) : lin[1].reduced(attn, group);
     std::tie(h, x) = add_rms_norm(h, a, norms[2 * l + 1], eps);
-    h = h.add(lin[3](silu_and_mul(lin[2](x))));
+    at::Tensor act = silu_and_mul(lin[2](x));
+    h = h.add(group.empty() ? lin[3](act) : lin[3].reduced(act, group));
   }
   return h;
 }
@@ -227,8 +281,8 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("decode_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] linear_tensors, "
         "int[] linear_kinds, Tensor?[] biases, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
-        "float eps, float scale, int skinny_rows, Tensor[] k_scales, Tensor[] v_scales, int[] windows=[]) "
-        "-> Tensor");
+        "float eps, float scale, int skinny_rows, Tensor[] k_scales, Tensor[] v_scales, int[] windows=[], "
+        "str tp_group=\"\") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("decode_stack", &kvmesh_cpu::decode_stack); }
