@@ -117,7 +117,7 @@ def stack_table(model: str, args, max_len: int, blocks: int) -> list[dict]:
     """Median unmetered decode step per STACK_CONFIGS entry and batch (configurations alternating)."""
     llms = {}
     for name, (tp, kw) in tqdm(STACK_CONFIGS.items(), desc="building decode-stack engines", unit="engine"):
-        llms[name] = build_llm(model, tp, 1, max(1, args.threads // tp), max_len, blocks, **kw)
+        llms[name] = build_llm(model, tp, 1, max(1, args.threads // tp), max_len, blocks, shm_all_reduce=args.shm, **kw)
     batches = sorted({1, 4, args.decode_batch})
     samples: dict[tuple[str, int], list[float]] = {}
     names = list(llms)
@@ -166,7 +166,7 @@ def fmt_bytes(n: float) -> str:
 def render(data: dict) -> str:
     lines = [f"# Parallel step: compute vs communication ({data['model_name']})", "",
              f"{data['cpu']}, {data['threads']} threads in all (split over the ranks), torch {data['torch']}, "
-             f"gloo. Load average at start {data['load_start']['1min']:.2f}, at end {data['load_end']['1min']:.2f}. "
+             f"{data.get('comm', 'gloo')}. Load average at start {data['load_start']['1min']:.2f}, at end {data['load_end']['1min']:.2f}. "
              f"Prefill step: {data['prefill_seqs']} x {data['prefill_len']} tokens; decode step: "
              f"{data['decode_batch']} sequences. Medians over {data['repeats']} rounds (configurations alternating); "
              "rank 0's view (for PP: stage 0, whose wait includes the other stage's compute).", ""]
@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="Llama-layered checkpoint of the decode-stack table (default: the llama-small random model; "
                         "with --quick: --model)")
     p.add_argument("--no-stack-table", action="store_true", help="skip the decode-stack table")
+    p.add_argument("--no-shm", dest="shm", action="store_false",
+                   help="TP ranks sum over gloo (shm_all_reduce=False), not shared memory")
     p.add_argument("--quick", action="store_true", help="small steps, 1 round: a smoke run (results: *_quick)")
     p.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = p.parse_args(argv)
@@ -251,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     llms = {}
     for c in tqdm(configs, desc="building engines", unit="engine"):
         tp, pp = CONFIGS[c]
-        llms[c] = build_llm(args.model, tp, pp, max(1, args.threads // (tp * pp)), max_len, blocks)
+        llms[c] = build_llm(args.model, tp, pp, max(1, args.threads // (tp * pp)), max_len, blocks,
+                            shm_all_reduce=args.shm)
     from kvmesh.layers.op import COMM
 
     COMM.enabled = True
@@ -284,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model, "model_name": Path(args.model).name, "repeats": args.repeats,
             "prefill_seqs": args.prefill_seqs, "prefill_len": args.prefill_len, "decode_batch": args.decode_batch,
             "decode_steps": args.decode_steps, "load_start": load_start, "load_end": load_end, "rows": rows,
-            "stack_model": stack_model, "stack_rows": stack_rows}
+            "stack_model": stack_model, "stack_rows": stack_rows,
+            "comm": "TP sums and logit gathers over shared memory, the rest gloo" if args.shm else "gloo"}
     md = render(data)
     print(md)
     for path in write_results("parallel_comm_quick" if args.quick else "parallel_comm", data, md, plot, args.out_dir):

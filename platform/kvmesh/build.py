@@ -30,6 +30,7 @@ from kvmesh.errors import ConfigError, InvalidRequestError
 from kvmesh.kvstore import BlockCodec, create_store
 from kvmesh.kvstore.codec import load_mac_key
 from kvmesh.layers import kv_cache as kvq
+from kvmesh.layers import native
 from kvmesh.models.arch import ArchConfig
 from kvmesh.layers.op import PipelineStage
 from kvmesh.models.llama import check_tensor_parallel, local_kv_heads
@@ -43,8 +44,8 @@ from kvmesh.worker.kv_connector import StoreConnector
 from kvmesh.worker.kv_transfer import PulledKVLoader
 from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.model_runner import DTYPES, KVCacheSpec, ModelRunner
-from kvmesh.worker.groups import ParallelGroups
-from kvmesh.worker.parallel import START_TIMEOUT_S, ParallelRunner, start_group
+from kvmesh.worker.groups import ParallelGroups, attach_shm
+from kvmesh.worker.parallel import COLLECTIVE_TIMEOUT_S, START_TIMEOUT_S, ParallelRunner, start_group
 from kvmesh.worker.pipeline import PipelineForward
 from kvmesh.worker.rank_process import RankLauncher
 from kvmesh.worker.server import WorkerServer, WorkerServerConfig
@@ -161,6 +162,10 @@ def _load_runner(config: EngineConfig, path: Path, max_positions: int, max_model
     dtype = DTYPES[resolve_dtype(mc.dtype, device)]
     tp = groups.tp if groups is not None and groups.tp.size > 1 else None
     pp = groups.stage if groups is not None else None
+    if tp is not None and config.parallel.shm_all_reduce and device.type == "cpu":
+        # (every rank of the group comes here with the same config: a collective)
+        tp = attach_shm(tp, config.kernels.cpu_kernels and native.load(config.kernels.native_isa),
+                        COLLECTIVE_TIMEOUT_S)
     model, arch = load_model(path, dtype, device, max_positions, mc.quantization, mc.quantization_group_size,
                              config.kernels, tp, pp)
     graph_batch = min(config.cuda_graph_max_batch_size, config.scheduler.max_num_seqs) if config.cuda_graphs else 0

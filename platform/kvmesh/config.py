@@ -118,6 +118,12 @@ class ParallelConfig(_Base):
     distributed_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend between ranks: auto = nccl on CUDA, gloo on CPU.",
     )
+    shm_all_reduce: bool = Field(
+        True, description="CPU tensor parallel: sum the row-parallel outputs through a shared-memory segment "
+        "between ranks on one machine (layers/shm_allreduce.py; microseconds where a gloo all-reduce over "
+        "loopback takes ~1 ms), as vLLM's CPU backend. Ranks that cannot all map it (other machines, no /dev/shm) "
+        "keep gloo; off: gloo always.",
+    )
 
     @property
     def world_size(self) -> int:

@@ -4,6 +4,7 @@ a dead rank fails fast and takes the group out of service; no rank process outli
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import time
@@ -70,6 +71,7 @@ def test_tp2_decode_stack_equals_its_layer_loop(model_factory, stack_calls, case
     name = stack.executor.runner.groups.tp.name
     try:
         assert name, "the TP group must be registered for the C++ all-reduces"
+        assert stack.executor.runner.local.model.tp.shm is not None, "ranks on one machine sum over shared memory"
         stack_calls.clear()
         got, logits = run_collecting_logits(stack, PROMPTS, GREEDY)
         assert sum(stack_calls) == GREEDY.max_tokens - 1, "every two-row decode step should run the stack"
@@ -84,6 +86,32 @@ def test_tp2_decode_stack_equals_its_layer_loop(model_factory, stack_calls, case
         assert not any(stack_calls)
     finally:
         loop.close()
+    assert got == ref
+    for rid in ref:
+        assert torch.equal(torch.stack(logits[rid]), torch.stack(ref_logits[rid])), rid
+
+
+@pytest.mark.skipif(not native.load(), reason="the shm all-reduce needs the native CPU kernels (a C++ compiler)")
+@pytest.mark.parametrize("case", ["llama", "qwen2-biases"])
+def test_shm_all_reduce_gives_gloos_bits(model_factory, stack_calls, case):
+    """The ranks' sums over shared memory (layers/shm_allreduce.py) against gloo's
+    (`shm_all_reduce=False`), both with the decode stack (which then all-reduces by group
+    name): two ranks' sums a + b are the same bits either way, so the whole run is."""
+    model_kw, engine_kw = CASES[case]
+    common = {"model": str(model_factory(**model_kw)), "progress": False, "block_size": 4, "num_blocks": 64,
+              "tensor_parallel_size": 2, **engine_kw}
+    runs = {}
+    for shm in (True, False):
+        engine = build_engine(**common, shm_all_reduce=shm)
+        try:
+            assert (engine.executor.runner.local.model.tp.shm is not None) == shm
+            assert not glob.glob("/dev/shm/kvmesh-tp-*"), "the segment file goes once every rank mapped it"
+            stack_calls.clear()
+            runs[shm] = run_collecting_logits(engine, PROMPTS, GREEDY)
+            assert sum(stack_calls) == GREEDY.max_tokens - 1
+        finally:
+            engine.close()
+    (got, logits), (ref, ref_logits) = runs[True], runs[False]
     assert got == ref
     for rid in ref:
         assert torch.equal(torch.stack(logits[rid]), torch.stack(ref_logits[rid])), rid

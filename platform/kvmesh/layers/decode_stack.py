@@ -18,8 +18,8 @@ both paths give the same bits (at 8-64 rows the loop's Python and dispatch cost 
 48-request offline workload ~8%: 229-231 -> 250-251 tok/s with the stack).
 
 With tensor parallelism each rank's stack runs its own shards and sums the row-parallel
-outputs (o, down) over the group from C++ (the group registered by name: worker/groups.py),
-the same collectives in the same order as the layer loop, so the ranks' loops and stacks
+outputs (o, down) over the group from C++ (its shared-memory segment, layers/shm_allreduce.py,
+or else the gloo group registered by name: worker/groups.py), the same collectives in the same order as the layer loop, so the ranks' loops and stacks
 can even mix. While `op.COMM` meters communication (benchmarks/parallel_comm.py) a
 parallel step takes the layer loop, whose all-reduces it can time.
 
@@ -76,7 +76,7 @@ class DecodeStack:
         self.tp = ctx.tp
         # At TP > 1 the C++ side needs the group's registered name to all-reduce.
         self.enabled = (ctx.device.type == "cpu" and ctx.kernels.cpu_kernels and ctx.kernels.decode_stack
-                        and (ctx.tp.size == 1 or bool(ctx.tp.name)))
+                        and (ctx.tp.size == 1 or bool(ctx.tp.name) or ctx.tp.shm is not None))
         self._args: StackArgs | None = None
         self._generation = -1
 
@@ -92,7 +92,17 @@ class DecodeStack:
             [kv[1] for kv in kv_caches], meta.slot_mapping, meta.decode_block_table, meta.decode_context_lens,
             self.num_heads, self.num_kv_heads, self.eps, self.scale, SKINNY_KERNEL_ROWS,
             [kv.k_scale for kv in kv_caches] if quantized else [], [kv.v_scale for kv in kv_caches] if quantized else [],
-            args.windows, self.tp.name if self.tp.size > 1 else "")
+            args.windows, *self._tp_args())
+
+    def _tp_args(self) -> tuple:
+        """decode_stack's (tp_group, tp_shm, tp_rank, tp_timeout_s): how the C++ side sums the
+        row-parallel shards, as the layer loop's TPGroup.all_reduce would."""
+        tp = self.tp
+        if tp.size == 1:
+            return "", None, 0, 0.0
+        if tp.shm is not None:
+            return "", tp.shm.segment, tp.shm.rank, tp.shm.timeout_s
+        return tp.name, None, 0, 0.0
 
     def step_args(self, h: torch.Tensor, meta: AttentionMetadata, backend) -> StackArgs | None:
         """The gathered arguments when this step runs as the one op (see the module doc), else None."""

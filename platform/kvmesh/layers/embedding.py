@@ -96,7 +96,11 @@ def gather_vocab(logits: torch.Tensor, tp: TPGroup, vocab_size: int) -> torch.Te
     """(T, V'/tp) logit slices of every rank -> the full (T, V) logits on every rank."""
     if tp.size == 1:
         return logits
-    parts = [torch.empty_like(logits) for _ in range(tp.size)]
-    with COMM.timed("all_gather", logits, logits.nbytes * tp.size):
-        torch.distributed.all_gather(parts, logits.contiguous(), group=tp.group)
+    if tp.shm is not None and logits.device.type == "cpu":
+        with COMM.timed("all_gather", logits, logits.nbytes * tp.size):
+            parts = tp.shm.all_gather(logits).unbind(0)
+    else:
+        parts = [torch.empty_like(logits) for _ in range(tp.size)]
+        with COMM.timed("all_gather", logits, logits.nbytes * tp.size):
+            torch.distributed.all_gather(parts, logits.contiguous(), group=tp.group)
     return torch.cat(parts, dim=-1)[..., :vocab_size]

@@ -47,10 +47,11 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "skinny_gemm.cpp", "small_gemm.cpp",
-           "quant_gemm.cpp", "decode_stack.cpp", "moe.cpp", "lora.cpp", "kv_quant.cpp")
+           "quant_gemm.cpp", "decode_stack.cpp", "moe.cpp", "lora.cpp", "kv_quant.cpp", "shm_allreduce.cpp")
 OPS = ("paged_decode_attention", "paged_prefill_attention", "skinny_linear", "small_linear", "int8_linear",
        "int4_linear", "decode_stack", "rms_norm", "add_rms_norm", "rope_qkv", "silu_and_mul", "argmax_rows",
-       "moe_experts", "lora_sgmv", "quantize_kv_cache")
+       "moe_experts", "lora_sgmv", "quantize_kv_cache", "shm_all_reduce_", "shm_all_reduce_init",
+       "shm_all_reduce_attach", "shm_all_reduce_peers_visible", "shm_all_gather")
 # The quantized GEMM's intrinsics (csrc/quant_gemm.cpp).
 QUANT_GEMM_FLAGS = frozenset({"avx2", "fma", "f16c"})
 ISA_CAPS = ("native", "avx2")

@@ -26,6 +26,7 @@ from torch import nn
 from kvmesh.config import KernelConfig
 from kvmesh.errors import ConfigError
 from kvmesh.layers import native
+from kvmesh.layers.shm_allreduce import ShmAllReduce
 from kvmesh.layers.triton_runtime import can_run as triton_can_run
 from kvmesh.layers.triton_runtime import unavailable_reason as triton_unavailable
 
@@ -98,20 +99,30 @@ class TPGroup:
     name: str = ""
     # What that name resolves to (torch's registry holds it weakly): kept alive with the group.
     native: Any = field(default=None, repr=False, compare=False)
+    # The ranks' shared-memory segment (layers/shm_allreduce.py) where they share a machine:
+    # sums of float32 / bfloat16 CPU tensors go through it instead of gloo.
+    shm: ShmAllReduce | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"tensor parallel rank {self.rank} outside world size {self.size}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the group, in place (a no-op at world size 1)."""
+        """Sum `x` over the group, in place (a no-op at world size 1): over shared memory
+        where the group has it and `x` suits it, else gloo / NCCL."""
         if self.size > 1:
             if COMM.enabled:
                 with COMM.timed("all_reduce", x):
-                    torch.distributed.all_reduce(x, group=self.group)
+                    self._sum(x)
             else:
-                torch.distributed.all_reduce(x, group=self.group)
+                self._sum(x)
         return x
+
+    def _sum(self, x: torch.Tensor) -> None:
+        if self.shm is not None and self.shm.supports(x):
+            self.shm(x)
+        else:
+            torch.distributed.all_reduce(x, group=self.group)
 
 
 @dataclass(frozen=True)

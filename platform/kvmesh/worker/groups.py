@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kvmesh.layers import kv_cache as kvq
+from kvmesh.layers import shm_allreduce
 from kvmesh.layers.op import PipelineStage, TPGroup
 from kvmesh.worker.pipeline import KV_TAG, PipelineGroup
 
@@ -96,6 +97,55 @@ def register_native(backend: Any, rank: int, size: int, store: Any) -> tuple[str
     name = f"kvmesh-tp-{os.getpid()}-{next(_names)}"
     register(name, wrapper)
     return name, wrapper
+
+
+PATH_BYTES = 256  # the segment's path, broadcast from rank 0
+
+
+def attach_shm(tp: TPGroup, usable: bool, timeout_s: float) -> TPGroup:
+    """`tp` with a shared-memory segment for its sums (layers/shm_allreduce.py), or `tp` as it
+    is where any rank cannot map it (`usable` False on that rank: no native kernels; ranks on
+    different machines; no /dev/shm). A collective over the group: every rank calls it at the
+    same point (the model runner's build). Rank 0 creates the segment and broadcasts its path;
+    every rank maps it; a MIN all-reduce of their verdicts decides for all; the file is
+    unlinked then, so the mapping outlives it and nothing is left in /dev/shm. A second verdict:
+    every rank sees its peers' processes (what its waits check to fail, not hang, when a peer
+    dies)."""
+    from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp
+
+    made = shm_allreduce.create_segment(tp.size) if usable and tp.rank == 0 else None
+    try:
+        return _agree_on_shm(tp, usable, timeout_s, made)
+    finally:
+        if made is not None:  # every rank mapped it, or the group failed: either way the file goes
+            os.unlink(made[0])
+
+
+def _agree_on_shm(tp: TPGroup, usable: bool, timeout_s: float, made: tuple[str, torch.Tensor] | None) -> TPGroup:
+    from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp
+
+    path = torch.zeros(PATH_BYTES, dtype=torch.uint8)
+    if made is not None:
+        raw = made[0].encode()
+        path[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    opts = BroadcastOptions()
+    opts.rootRank = 0
+    tp.group.broadcast([path], opts).wait()
+    name = bytes(path.tolist()).rstrip(b"\0").decode()
+    seg = made[1] if made is not None else (shm_allreduce.open_segment(name, tp.rank, tp.size)
+                                            if usable and name else None)
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.MIN
+
+    def everyone(ok: bool) -> bool:
+        verdict = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        tp.group.allreduce([verdict], opts).wait()
+        return bool(verdict.item())
+
+    mapped = everyone(seg is not None)  # (then every rank has written its pid into it)
+    if not mapped or not everyone(shm_allreduce.peers_visible(seg)):
+        return tp
+    return replace(tp, shm=shm_allreduce.ShmAllReduce(seg, tp.rank, timeout_s))
 
 
 def release(groups: ParallelGroups) -> None:

@@ -31,6 +31,7 @@ dead group, and its supervisor restarts the whole group.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 300.0  # gloo's limit per collective (a rank wedged, not dead; a dead one fails at once)
 START_TIMEOUT_S = 900.0  # a rank loading its shard of a large checkpoint
+FAILURE_GRACE_S = 3.0  # after a failed call: how long to wait for the launcher to name the rank that failed
 
 
 class ParallelRunner:
@@ -97,12 +99,23 @@ class ParallelRunner:
             self.ranks.send(op, *args)
             return run()
         except BaseException as exc:
-            why = self.ranks.failure() or f"rank 0 failed in {op}: {exc!r}"
+            why = self._cause() or f"rank 0 failed in {op}: {exc!r}"
             self.broken = why
             logger.error("%s parallel group broken: %s", self.kind, why)
             self.ranks.close()
             release(self.groups)
             raise RankFailedError(f"{self.kind} parallel group is down: {why}") from exc
+
+    def _cause(self) -> str | None:
+        """Which rank took the group down, once the launcher knows: a collective fails the moment
+        a peer's process is gone (the shared-memory wait checks every 10 ms), which can be
+        before Ray reports its actor dead."""
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        while True:
+            why = self.ranks.failure()
+            if why is not None or time.monotonic() >= deadline:
+                return why
+            time.sleep(0.05)
 
     def health(self) -> tuple[bool, str]:
         """(healthy, why not): False once a call failed or a rank process is gone."""

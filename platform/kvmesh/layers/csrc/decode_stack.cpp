@@ -18,14 +18,16 @@
 //   h = h + linear(silu_and_mul(linear(x, gate_up)), down)
 // Returns h after the last layer (before the final norm), like LlamaForCausalLM.forward.
 //
-// Tensor parallel (`tp_group` names this rank's group; "" without TP): qkv and gate_up are
+// Tensor parallel (`tp_shm` the group's shared-memory segment, with this rank's index in it,
+// or `tp_group` the name of its process group; neither without TP): qkv and gate_up are
 // this rank's column shards (num_heads, num_kv_heads and the intermediate size are its own),
 // o and down its row shards, whose partial outputs are summed over the group before their
 // bias is added, as layers/linear.py's row-parallel Linear does:
 //   a = all_reduce(o_shard(attn)) + o_bias,  m = all_reduce(down_shard(...)) + down_bias
-// The sum goes through the dispatcher's _c10d_functional::all_reduce_ on the group torch
-// resolves by that name (worker/groups.py registers it), so this file needs no c10d header
-// and every rank runs the same collectives in the same order as the layer loop.
+// The sum runs shm_allreduce.cpp on the segment, or the dispatcher's
+// _c10d_functional::all_reduce_ on the group torch resolves by that name (worker/groups.py
+// registers it; so this file needs no c10d header): either way the collective the layer
+// loop's TPGroup.all_reduce runs, in the same order.
 //
 // A linear is one of (linear_kinds; its tensors are taken from linear_tensors in turn):
 //   0 dense     [weight (N, K)]: the skinny GEMM (skinny_gemm.cpp), bias added in-kernel
@@ -40,8 +42,6 @@
 // Activations, norms, biases, dense weights and the KV cache share one dtype: float32 or
 // bfloat16 (quantized layers: float32 only), or the caches are int8 with their scales (an
 // 8-bit KV cache, layers/kv_cache.py; k_scales / v_scales empty: a float cache).
-#include <Python.h>
-
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -51,38 +51,35 @@
 #include <string>
 #include <vector>
 
+#include "gil.h"
 #include "kernels.h"
 
 namespace {
 
-// Lets other Python threads run while this one blocks in a collective, as
-// torch.distributed's own calls do: a rank that wedges keeps rank 0 in the wait for up to
-// the group's timeout, and the step watchdog and health checks must still answer.
-class GilRelease {
- public:
-  GilRelease() : state_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
-  ~GilRelease() {
-    if (state_ != nullptr) PyEval_RestoreThread(state_);
+// The tensor-parallel sum of a row-parallel shard's output, in place: over the group's
+// shared-memory segment (shm_allreduce.cpp) where it has one, else over the process group
+// registered as `group` (torch.distributed's functional all_reduce_, then its wait).
+struct Reducer {
+  std::string group;
+  std::optional<at::Tensor> shm;
+  int64_t rank;
+  double timeout_s;
+
+  void operator()(at::Tensor& y) const {
+    if (shm.has_value()) {
+      kvmesh_cpu::shm_all_reduce_(y, *shm, rank, timeout_s);
+      return;
+    }
+    static const auto reduce =
+        c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_reduce_", "");
+    static const auto wait = c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::wait_tensor", "");
+    kvmesh_cpu::GilRelease released;
+    torch::jit::Stack stack{y, std::string("sum"), group};
+    reduce.callBoxed(&stack);
+    stack = {y};
+    wait.callBoxed(&stack);
   }
-  GilRelease(const GilRelease&) = delete;
-  GilRelease& operator=(const GilRelease&) = delete;
-
- private:
-  PyThreadState* state_;
 };
-
-// Sums `y` over the process group registered as `group`, in place (torch.distributed's
-// functional all_reduce_, then its wait).
-void all_reduce(at::Tensor& y, const std::string& group) {
-  static const auto reduce =
-      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_reduce_", "");
-  static const auto wait = c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::wait_tensor", "");
-  GilRelease released;
-  torch::jit::Stack stack{y, std::string("sum"), group};
-  reduce.callBoxed(&stack);
-  stack = {y};
-  wait.callBoxed(&stack);
-}
 
 enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kInt4Mins = 3 };
 
@@ -95,10 +92,10 @@ struct StackLinear {
 
   at::Tensor operator()(const at::Tensor& x) const { return run(x, bias); }
 
-  // A row-parallel shard: its partial product summed over `group`, then the bias.
-  at::Tensor reduced(const at::Tensor& x, const std::string& group) const {
+  // A row-parallel shard: its partial product summed over the group, then the bias.
+  at::Tensor reduced(const at::Tensor& x, const Reducer& all_reduce) const {
     at::Tensor y = run(x, std::nullopt);
-    all_reduce(y, group);
+    all_reduce(y);
     return bias.has_value() ? y.add(*bias) : y;
   }
 
@@ -184,8 +181,10 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
                         at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
                         double scale, int64_t skinny_rows, at::TensorList k_scales, at::TensorList v_scales,
-                        at::IntArrayRef windows, c10::string_view tp_group) {
-  const std::string group(tp_group);
+                        at::IntArrayRef windows, c10::string_view tp_group, const std::optional<at::Tensor>& tp_shm,
+                        int64_t tp_rank, double tp_timeout_s) {
+  const bool tp = !tp_group.empty() || tp_shm.has_value();
+  const Reducer all_reduce{std::string(tp_group), tp_shm, tp_rank, tp_timeout_s};
   const int64_t L = static_cast<int64_t>(k_caches.size());
   const bool quant_kv = !k_scales.empty();
   TORCH_CHECK(static_cast<int64_t>(k_scales.size()) == (quant_kv ? L : 0) && v_scales.size() == k_scales.size(),
@@ -267,10 +266,10 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
       o = paged_decode_attention(q, kc, vc, block_tables, context_lens, scale, window);
     }
     at::Tensor attn = o.view({T, q_width});
-    at::Tensor a = group.empty() ? lin[1](attn) : lin[1].reduced(attn, group);
+    at::Tensor a = tp ? lin[1].reduced(attn, all_reduce) : lin[1](attn);
     std::tie(h, x) = add_rms_norm(h, a, norms[2 * l + 1], eps);
     at::Tensor act = silu_and_mul(lin[2](x));
-    h = h.add(group.empty() ? lin[3](act) : lin[3].reduced(act, group));
+    h = h.add(tp ? lin[3].reduced(act, all_reduce) : lin[3](act));
   }
   return h;
 }
@@ -282,7 +281,7 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
         "int[] linear_kinds, Tensor?[] biases, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
         "float eps, float scale, int skinny_rows, Tensor[] k_scales, Tensor[] v_scales, int[] windows=[], "
-        "str tp_group=\"\") -> Tensor");
+        "str tp_group=\"\", Tensor? tp_shm=None, int tp_rank=0, float tp_timeout_s=300.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("decode_stack", &kvmesh_cpu::decode_stack); }

@@ -50,6 +50,10 @@ void int8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const floa
 int int4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const uint16_t* s, const uint16_t* o,
               int32_t mode, int64_t G, int64_t N, float* y);
 
+// shm_allreduce.cpp: x summed in place over the tensor-parallel ranks sharing `segment`
+// (float32 / bfloat16; every rank gets the same bits).
+at::Tensor& shm_all_reduce_(at::Tensor& x, const at::Tensor& segment, int64_t rank, double timeout_s);
+
 // lora.cpp: y[rows of each segment, shard l's columns] += (x @ a[l, slot]^T) @ b[slot] in place
 // (the batched multi-LoRA delta; see the file for the layouts).
 void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
