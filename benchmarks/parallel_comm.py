@@ -15,8 +15,9 @@ it: all-reduce calls, bytes and time (the row-parallel output / down projections
 vocab-parallel embedding), the all-gather of vocab-parallel logits, and for pipeline stages
 the hidden states sent and the time stage 0 waited on the others (transfer plus their
 compute: the bubble). Medians over the steps of `--repeats` rounds; the configurations
-alternate round by round. On 2 cores nothing gets faster: the point is the split of the
-step into compute and communication, and the bytes per all-reduce against the step.
+alternate round by round. The point is the split of the step into compute and
+communication, and the bytes per all-reduce against the step (`--no-shm`: TP sums over
+gloo instead of the ranks' shared memory).
 
 A second table times decode steps unmetered (the meter sends TP steps through the layer
 loop, whose all-reduces it can time) on a Llama-layered model (default: the `llama-small`
