@@ -133,7 +133,8 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True,
     model = runner.model
     proposer = None
     if config.speculative is not None:
-        proposer = _build_proposer(config, config.speculative, path, model, arch, max_model_len, num_blocks)
+        proposer = _build_proposer(config, config.speculative, path, model if world == 1 else None, arch,
+                                   max_model_len, num_blocks)
     connector = None
     if config.kv_store:
         # KVMESH_KV_HMAC_KEY set: blocks in the shared store are authenticated (kvstore/codec.py).
@@ -214,9 +215,6 @@ def _check_parallel(config: EngineConfig, arch: ArchConfig, device: torch.device
     if pp > arch.num_layers:
         raise ConfigError(f"parallel.pipeline_parallel_size: {pp} stages for {arch.num_layers} layers; "
                           f"use at most {arch.num_layers}")
-    if config.speculative is not None and config.speculative.method == "draft":
-        raise ConfigError(f"speculative.method: a draft model is not split over ranks; use method 'ngram' "
-                          f"or {what}=1")
     if config.lora is not None:
         raise ConfigError(f"lora: adapters are not split over tensor / pipeline parallel ranks; use {what}=1")
     if tp > 1 and (config.model.quantization == "gguf" or read_quantization_config(path)):
@@ -320,11 +318,15 @@ def _warm(engine: LLMEngine) -> LLMEngine:
 
 def _build_proposer(config: EngineConfig, spec: SpeculativeConfig, path: Path, model, arch: ArchConfig,
                     max_model_len: int, num_blocks: int) -> Proposer:
+    """The proposer; a draft model runs whole (unsharded) in this process, beside rank 0 of a
+    tensor / pipeline parallel target (vLLM's draft tensor parallel size 1: a draft is small, and
+    its steps are the latency a split would add collectives to). `model`: the target's
+    whole model for a "self" draft to share, None when this process holds only a shard."""
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
     mc = config.model
     device = torch.device(mc.device)
-    if spec.model == "self" and spec.quantization is None:
+    if spec.model == "self" and spec.quantization is None and model is not None:
         draft, draft_arch = model, arch  # shares weights; only the KV cache is separate
     else:
         # A quantized copy of the target ("self" + quantization) is a cheap, well

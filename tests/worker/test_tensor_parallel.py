@@ -117,6 +117,35 @@ def test_shm_all_reduce_gives_gloos_bits(model_factory, stack_calls, case):
         assert torch.equal(torch.stack(logits[rid]), torch.stack(ref_logits[rid])), rid
 
 
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_draft_model_speculation_on_a_parallel_target(model_factory, parallel):
+    """A draft model runs whole beside rank 0 (vLLM's draft TP of 1) and proposes for a TP=2
+    or PP=2 target, which verifies over its ranks: lossless (TP=1 without speculation's
+    tokens), and a "self" draft (the whole target, loaded unsharded here) is always accepted."""
+    path = model_factory()
+    common = {"model": str(path), "progress": False, "block_size": 4, "num_blocks": 64}
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [11, 12, 13]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ref, _ = run_collecting_logits(build_engine(**common), prompts, params)
+    engine = build_engine(**common, **parallel, speculative={"method": "draft", "model": "self",
+                                                             "num_speculative_tokens": 3})
+    try:
+        draft = engine.executor.proposer.runner
+        assert draft.model is not engine.executor.runner.local.model  # its own, unsharded copy
+        outs = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.outputs[0].delta_token_ids)
+        assert [outs[f"r{i}"] for i in range(2)] == [ref[f"r{i}"] for i in range(2)]
+        c = engine.spec_counters
+        assert c["proposed"] > 0 and c["accepted"] == c["proposed"]
+        assert engine.num_free_blocks == engine.num_usable_blocks
+    finally:
+        engine.close()
+
+
 def test_chunked_prefill_prefix_hits_and_preemption(model_factory):
     """Small token budget (chunked prefill), repeated prompts (prefix hits) and too few blocks
     for the batch (preemption): the same greedy text as TP=1, every block free again after."""
