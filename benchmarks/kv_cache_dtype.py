@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=256, help="tokens of the greedy quality generation")
     p.add_argument("--kv-gb", type=float, default=2.0, help="KV memory budget of each engine, GiB")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--name", default=None, help="result file names (default kv_cache_dtype; --smoke: kv_cache_dtype_smoke)")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
                    help=f"wait up to S seconds for the 1-minute load average to fall below {IDLE_LOAD}")
     args = p.parse_args(argv)
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             "smoke": args.smoke, "blocks": {k: llm.engine.num_usable_blocks + 1 for k, llm in llms.items()}}
     res = {"meta": meta, "throughput": rows, "quality": q}
     md = _markdown(res)
-    write_results("kv_cache_dtype_smoke" if args.smoke else "kv_cache_dtype", res, md, _plot, args.out_dir, dpi=110)
+    write_results(args.name or ("kv_cache_dtype_smoke" if args.smoke else "kv_cache_dtype"), res, md, _plot, args.out_dir,
+                  dpi=110)
     print(md)
     return 0
 

@@ -35,7 +35,7 @@ from kvmesh.models.arch import ArchConfig
 from kvmesh.layers.op import PipelineStage
 from kvmesh.models.llama import check_tensor_parallel, local_kv_heads
 from kvmesh.models.loader import load_arch_config
-from kvmesh.quant.loader import load_model, quantization_id, read_quantization_config
+from kvmesh.quant.loader import load_model, quantization_id
 from kvmesh.rpc.internal_auth import InternalAuth
 from kvmesh.telemetry.workers import CacheSourceTracker
 from kvmesh.worker.executor import Executor, Proposer
@@ -217,10 +217,6 @@ def _check_parallel(config: EngineConfig, arch: ArchConfig, device: torch.device
                           f"use at most {arch.num_layers}")
     if config.lora is not None:
         raise ConfigError(f"lora: adapters are not split over tensor / pipeline parallel ranks; use {what}=1")
-    if tp > 1 and (config.model.quantization == "gguf" or read_quantization_config(path)):
-        raise ConfigError("model.quantization: stored quantized weights (GGUF / GPTQ / AWQ / kvmesh) are not "
-                          "sharded yet; load the float checkpoint with quantization int8 / int4, or "
-                          "tensor_parallel_size=1 (pipeline parallelism loads them as stored)")
     if config.cuda_graphs and device.type == "cuda":
         raise ConfigError(f"cuda_graphs: not with {what} > 1 in this build")
     return tp, pp

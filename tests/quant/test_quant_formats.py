@@ -75,3 +75,22 @@ def test_checkpoint_split_over_two_pipeline_stages(kind, tiny_llama, tmp_path):
     """A stored 4-bit checkpoint loads as stored on each pipeline stage (its own layers' modules)."""
     out = write_quantized_checkpoint(tiny_llama, tmp_path / kind, kind, group=32)
     assert greedy(out, pipeline_parallel_size=2) == greedy(out)
+
+
+@pytest.mark.parametrize("kind", ["gptq", "awq"])
+def test_checkpoint_sharded_over_two_tensor_parallel_ranks(kind, tiny_llama, tmp_path):
+    """A stored 4-bit checkpoint at TP=2: each rank cuts its rows (column-parallel) or its
+    input groups (row-parallel) out of the converted tensors: the same greedy text as TP=1."""
+    out = write_quantized_checkpoint(tiny_llama, tmp_path / kind, kind, group=32)
+    assert greedy(out, tensor_parallel_size=2) == greedy(out)
+
+
+def test_act_order_row_parallel_and_straddling_groups_are_refused(tiny_llama, tmp_path):
+    from kvmesh.errors import ConfigError
+
+    act = write_quantized_checkpoint(tiny_llama, tmp_path / "act", "gptq", group=32, desc_act=True)
+    with pytest.raises(ConfigError, match="act-order"):
+        greedy(act, tensor_parallel_size=2)
+    wide = write_quantized_checkpoint(tiny_llama, tmp_path / "wide", "gptq", group=64)  # o_proj: 32 inputs a rank
+    with pytest.raises(ConfigError, match="straddle"):
+        greedy(wide, tensor_parallel_size=2)

@@ -189,6 +189,20 @@ def test_gguf_split_over_two_pipeline_stages(gguf_folder):
         llm.close()
 
 
+def test_gguf_sharded_over_two_tensor_parallel_ranks(gguf_folder):
+    """Kept quantized on each rank: its rows of the column-parallel projections, its 32-column
+    blocks of the row-parallel ones, its vocab rows of the Q8_0 embedding (the tied LM head)."""
+    two, llm = _greedy(gguf_folder, quantization="gguf", tensor_parallel_size=2)
+    try:
+        m = llm.engine.executor.model
+        assert isinstance(m.model.embed_tokens, QuantEmbedding)
+        assert m.model.layers[0].self_attn.o_proj.in_features == m.cfg.hidden_size // 2
+        ref, _ = _greedy(gguf_folder, quantization="gguf")
+        assert two == ref
+    finally:
+        llm.close()
+
+
 @pytest.mark.skipif(not native.has_quant_gemm(), reason="needs the quantized CPU kernel (AVX2, a C++ compiler)")
 def test_gguf_decode_stack_equals_layer_loop(gguf_folder, stack_calls, monkeypatch):
     """Q4_0, Q4_1 and Q8_0 layers mixed in one model: batch-1 decode steps run the whole

@@ -192,6 +192,50 @@ def _tp_slicers(model: nn.Module, plan: dict[str, str]) -> dict[str, Callable[[t
     return slicers
 
 
+Cut = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def _tp_stored_slicers(model: nn.Module, plan: dict[str, str]) -> dict[str, Cut]:
+    """{HF module path: cut(tensor name, tensor)}: this rank's part of a stored quantized module,
+    cut from its canonical tensors (quant/formats.py: one row per output feature, the input
+    dim packed or grouped along dim 1) by the float layer's layout, read before the swap.
+    Column-parallel: rows, as the float weight's. Row-parallel: the columns of this rank's
+    input slice; per-row int8 scales stay whole (a row's scale applies to each rank's
+    partial sum alike), and the bias stays whole (added once, after the reduce)."""
+    slicers: dict[str, Cut] = {}
+    for prefix in plan:
+        target, shard = _target(model, prefix)
+        module = model.get_submodule(target)
+        if isinstance(module, VocabParallelEmbedding):
+            slicers[prefix] = lambda name, t, m=module: _vocab_rows(t, m.vocab_start, m.num_local)
+        elif isinstance(module, ParallelLMHead):
+            rows, start = module.out_features, module.ctx.tp.rank * module.out_features
+            slicers[prefix] = lambda name, t, s=start, r=rows: _vocab_rows(t, s, r)
+        elif isinstance(module, Linear):
+            slicers[prefix] = partial(_stored_local, module, shard, prefix)
+    return slicers
+
+
+def _stored_local(module: Linear, shard: str | None, prefix: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    if name == "perm":  # act-order: a permutation of the whole input
+        if module.parallel == "row" and module.ctx.tp.size > 1:
+            raise ConfigError(f"model.quantization: {prefix} is stored with act-order (desc_act) and is "
+                              "row-parallel: its input groups cannot be cut per rank; use a checkpoint without "
+                              "desc_act, or tensor_parallel_size=1")
+        return t
+    if module.parallel != "row":
+        return module.local_slice(t, shard).contiguous()
+    if name == "bias" or t.dim() < 2:
+        return t
+    full, local = module.full_in_features, module.in_features
+    if (t.shape[1] * local) % full:
+        raise ConfigError(f"model.quantization: {prefix}'s {name} ({t.shape[1]} columns for {full} inputs) cannot "
+                          f"be cut into {module.ctx.tp.size} slices of {local} inputs: its quantization groups "
+                          "straddle the ranks' boundaries; use a smaller tensor_parallel_size")
+    width = t.shape[1] * local // full
+    return t.narrow(1, module.ctx.tp.rank * width, width).contiguous()
+
+
 def _vocab_rows(tensor: torch.Tensor, start: int, rows: int) -> torch.Tensor:
     out = tensor.new_empty((rows, *tensor.shape[1:]))
     vocab_shard(tensor, out, start)
@@ -257,10 +301,6 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
         if any(isinstance(m, FusedMoE) for m in model.modules()):
             raise ConfigError("model.quantization: quantized MoE checkpoints (GPTQ / AWQ / kvmesh / GGUF) are not "
                               "supported yet; load the float checkpoint with quantization int8 or int4")
-    if tp is not None and tp.size > 1 and (qc is not None or quantization == gguf_weights.METHOD):
-        raise ConfigError("model.quantization: stored quantized weights (GGUF / GPTQ / AWQ / kvmesh) are not "
-                          "sharded over tensor-parallel ranks yet; quantize the float checkpoint at load "
-                          "(int8 / int4) or use tensor_parallel_size=1")
     experts: dict[str, QuantFusedMoE] = {}
     if qc is not None:
         if quantization is not None:
@@ -283,6 +323,9 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
         weights = method.quantize_state_dict(_route_experts(weights, experts), tied)
     # A pipeline stage quantizes / loads its own modules only (stored formats keep whole modules).
     plan = {prefix: scheme for prefix, scheme in plan.items() if model.holds(f"{prefix}.weight")}
+    # Stored formats at TP > 1: each rank cuts its part of every module's converted tensors.
+    stored_cuts = (_tp_stored_slicers(model, plan) if tp is not None and tp.size > 1
+                   and (qc is not None or quantization == gguf_weights.METHOD) else {})
     routes = _swap(model, plan, tied, device, kernels or KernelConfig())
     model = model.to_empty(device=device)
     if tied and isinstance(model.lm_head, Linear):
@@ -305,10 +348,15 @@ def load_quantized_model(path: Path, cfg, dtype: torch.dtype, device: torch.devi
     for prefix, (module, shard) in routes.items():
         if prefix not in pending:
             raise ValueError(f"checkpoint: no quantized tensors for {prefix}")
-        module.load(fmt.convert(prefix, pending.pop(prefix)), shard)
+        tensors = fmt.convert(prefix, pending.pop(prefix))
+        cut = stored_cuts.get(prefix)
+        if cut is not None:
+            tensors = {name: cut(name, t) for name, t in tensors.items()}
+        module.load(tensors, shard)
     for prefix, bias in biases.items():
         module, shard = routes[prefix]
-        module.load_bias(bias, shard)
+        cut = stored_cuts.get(prefix)
+        module.load_bias(bias if cut is None else cut("bias", bias), shard)
 
     for param in model.parameters():
         param.data = param.data.to(dtype)
