@@ -10,9 +10,11 @@ from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.layers.attention import CpuPagedAttentionBackend
 
 
-def run_collecting_logits(engine: LLMEngine, prompts, params) -> tuple[dict, dict]:
-    """Run prompts to completion; returns ({rid: token ids}, {rid: [(V,) logits per token]})."""
-    rids = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+def run_collecting_logits(engine: LLMEngine, prompts, params, loras=None) -> tuple[dict, dict]:
+    """Run prompts to completion (prompt i under LoRA adapter `loras[i]`, if given); returns
+    ({rid: token ids}, {rid: [(V,) logits per token]})."""
+    loras = loras or [None] * len(prompts)
+    rids = [engine.add_request(f"r{i}", p, params, lora=name) for i, (p, name) in enumerate(zip(prompts, loras))]
     tokens = {r: [] for r in rids}
     logits = {r: [] for r in rids}
     while engine.has_unfinished():
@@ -80,3 +82,27 @@ def stack_then_loop(make_engine, prompts, stack_calls, monkeypatch, max_new: int
     for i, (a, b) in enumerate(zip(logits, loop_logits)):
         assert torch.equal(a, b), f"prompt {i}"
     return tokens, logits
+
+
+def make_adapter(base, out, seed: int, **lora_kwargs):
+    """A peft adapter of the checkpoint at `base`, every LoRA weight random, saved to `out`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(**lora_kwargs))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.empty(p.shape).normal_(0, 0.15, generator=g))
+    peft_model.save_pretrained(out)
+    return out
+
+
+def peft_reference(base, adapter):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    return model if adapter is None else PeftModel.from_pretrained(model, adapter).eval()

@@ -34,7 +34,7 @@ from kvmesh.layers import native
 from kvmesh.models.arch import ArchConfig
 from kvmesh.layers.op import PipelineStage
 from kvmesh.models.llama import check_tensor_parallel, local_kv_heads
-from kvmesh.models.loader import load_arch_config
+from kvmesh.models.loader import build_meta_model, load_arch_config
 from kvmesh.quant.loader import load_model, quantization_id
 from kvmesh.rpc.internal_auth import InternalAuth
 from kvmesh.telemetry.workers import CacheSourceTracker
@@ -45,7 +45,7 @@ from kvmesh.worker.kv_transfer import PulledKVLoader
 from kvmesh.worker.lora import LoRAManager
 from kvmesh.worker.model_runner import DTYPES, KVCacheSpec, ModelRunner
 from kvmesh.worker.groups import ParallelGroups, attach_shm
-from kvmesh.worker.parallel import COLLECTIVE_TIMEOUT_S, START_TIMEOUT_S, ParallelRunner, start_group
+from kvmesh.worker.parallel import COLLECTIVE_TIMEOUT_S, START_TIMEOUT_S, ParallelLoRA, ParallelRunner, start_group
 from kvmesh.worker.pipeline import PipelineForward
 from kvmesh.worker.rank_process import RankLauncher
 from kvmesh.worker.server import WorkerServer, WorkerServerConfig
@@ -128,8 +128,10 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True,
     load = partial(_load_runner, config, path, max_positions, max_model_len, num_blocks)
     if world > 1:
         runner = _start_group(tp, pp, max(1, threads // world), load, grammar, rank_launcher)
+        if runner.lora is not None:  # every rank holds the start-up adapters (each its cut)
+            _add_lora_modules(runner.lora, config)
     else:
-        runner = load(None, grammar, lora=True)
+        runner = load(None, grammar)
     model = runner.model
     proposer = None
     if config.speculative is not None:
@@ -152,12 +154,12 @@ def build_parts(config: EngineConfig | None = None, progress: bool = True,
 
 
 def _load_runner(config: EngineConfig, path: Path, max_positions: int, max_model_len: int, num_blocks: int,
-                 groups: ParallelGroups | None, grammar: GrammarMasks | None = None,
-                 lora: bool = False) -> ModelRunner:
+                 groups: ParallelGroups | None, grammar: GrammarMasks | None = None) -> ModelRunner:
     """Load the model (this rank's shard of it: its slice of its stage's layers, for a rank
     of parallel `groups`) and build its runner: the same on every rank of a stage, so their
-    layers and collectives match. Ranks other than 0 get no grammar (they do not sample) and
-    no adapters."""
+    layers and collectives match. Ranks other than 0 get no grammar (they do not sample).
+    With LoRA on, every rank gets an adapter store; one rank reads `--lora-modules` now, a
+    parallel group's are added through rank 0 once every rank is up (build_parts)."""
     mc, cc = config.model, config.cache
     device = torch.device(mc.device)
     dtype = DTYPES[resolve_dtype(mc.dtype, device)]
@@ -173,7 +175,7 @@ def _load_runner(config: EngineConfig, path: Path, max_positions: int, max_model
     return ModelRunner(model, arch, cc.block_size, num_blocks, device, seed=mc.seed,
                        attention_backend=config.attention_backend, cuda_graph_max_batch=graph_batch,
                        max_model_len=max_model_len, kernels=config.kernels, grammar=grammar,
-                       lora=_build_lora(config, model, device, dtype) if lora else None,
+                       lora=_build_lora(config, model, arch, max_positions, device, dtype, groups),
                        kv_quant=kvq.resolve(cc.kv_cache_dtype, device),
                        num_kv_heads=local_kv_heads(arch, tp.size if tp else 1),
                        driver=groups is None or groups.rank == 0,
@@ -215,8 +217,6 @@ def _check_parallel(config: EngineConfig, arch: ArchConfig, device: torch.device
     if pp > arch.num_layers:
         raise ConfigError(f"parallel.pipeline_parallel_size: {pp} stages for {arch.num_layers} layers; "
                           f"use at most {arch.num_layers}")
-    if config.lora is not None:
-        raise ConfigError(f"lora: adapters are not split over tensor / pipeline parallel ranks; use {what}=1")
     if config.cuda_graphs and device.type == "cuda":
         raise ConfigError(f"cuda_graphs: not with {what} > 1 in this build")
     return tp, pp
@@ -286,18 +286,29 @@ def _staging_bytes(parts: EngineParts) -> int:
     return min(4 * per_prompt, _GPU_STAGING_MAX_BYTES)
 
 
-def _build_lora(config: EngineConfig, model, device: torch.device, dtype: torch.dtype) -> LoRAManager | None:
-    """The adapter store of a multi-LoRA engine, with `--lora-modules` read now (as many as
-    host memory holds): a bad folder fails the start-up, naming it."""
+def _build_lora(config: EngineConfig, model, arch: ArchConfig, max_positions: int, device: torch.device,
+                dtype: torch.dtype, groups: ParallelGroups | None) -> LoRAManager | None:
+    """The adapter store of a multi-LoRA engine (None with LoRA off). One rank: with the
+    `--lora-modules` read now. Rank 0 of a group checks adapters against the whole model,
+    built on the meta device (its own holds a shard, or a stage)."""
     if config.lora is None:
         return None
-    manager = LoRAManager(model, config.lora, device, dtype)
-    for module in config.lora.modules[: manager.capacity]:
+    template = None
+    if groups is not None and groups.rank == 0:
+        template = build_meta_model(arch, max_positions, dtype, config.kernels)
+    manager = LoRAManager(model, config.lora, device, dtype, template)
+    if groups is None:
+        _add_lora_modules(manager, config)
+    return manager
+
+
+def _add_lora_modules(host: LoRAManager | ParallelLoRA, config: EngineConfig) -> None:
+    """Hold `--lora-modules` (as many as host memory holds): a bad folder fails the start-up, naming it."""
+    for module in config.lora.modules[: host.capacity]:
         try:
-            manager.add(module.name, module.path, manager.read(module.name, module.path))
+            host.add(module.name, module.path, host.read(module.name, module.path))
         except InvalidRequestError as exc:
             raise ConfigError(f"lora.modules: adapter {module.name!r}: {exc.reason}") from None
-    return manager
 
 
 def _config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from helpers import assert_logits_close, hf_greedy, hf_step_logits
+from helpers import assert_logits_close, hf_greedy, hf_step_logits, make_adapter, peft_reference
 
 from kvmesh import SamplingParams
 from kvmesh.build import build_engine
@@ -31,30 +31,6 @@ ADAPTERS = {
     "mlp-r16-rslora": dict(r=16, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"],
                            use_rslora=True),
 }
-
-
-def make_adapter(base, out, seed: int, **lora_kwargs):
-    """A peft adapter of the checkpoint at `base`, every LoRA weight random, saved to `out`."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(**lora_kwargs))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.empty(p.shape).normal_(0, 0.15, generator=g))
-    peft_model.save_pretrained(out)
-    return out
-
-
-def peft_reference(base, adapter):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    return model if adapter is None else PeftModel.from_pretrained(model, adapter).eval()
 
 
 def _prompts(vocab: int, lengths, seed=0):

@@ -198,6 +198,3 @@ def test_unshardable_shapes_are_config_errors(model_factory):
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         build_engine(model=str(model_factory(num_heads=4, num_kv_heads=2)), progress=False, num_blocks=16,
                      tensor_parallel_size=3)
-    with pytest.raises(ConfigError, match="lora"):
-        build_engine(model=str(model_factory()), progress=False, num_blocks=16, tensor_parallel_size=2,
-                     lora={})

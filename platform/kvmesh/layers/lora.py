@@ -62,6 +62,11 @@ class LoRABatch:
             self._tensors[key] = got
         return got
 
+    def window(self, lo: int, hi: int) -> "LoRABatch":
+        """The segments of rows [lo, hi) (a pipeline micro-batch), renumbered from 0."""
+        return LoRABatch([(max(s, lo) - lo, min(s + n, hi) - max(s, lo), slot)
+                          for s, n, slot in self.segments if s < hi and s + n > lo])
+
     @classmethod
     def from_rows(cls, row_slots: Sequence[tuple[int, int]]) -> "LoRABatch":
         """From (rows, slot or -1) per sequence in row order: merges neighbours of one slot."""

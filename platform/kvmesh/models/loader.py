@@ -17,7 +17,7 @@ from kvmesh.layers.op import OpContext, PipelineStage, TPGroup
 from kvmesh.models.arch import ArchConfig
 from kvmesh.models.registry import model_class
 
-__all__ = ["iter_safetensors", "load_arch_config", "load_float_model", "load_tokenizer", "model_fingerprint",
+__all__ = ["build_meta_model", "iter_safetensors", "load_arch_config", "load_float_model", "load_tokenizer", "model_fingerprint",
            "op_context", "resolve_model_path", "stage_weights"]
 
 
@@ -32,6 +32,13 @@ def op_context(device, dtype: torch.dtype, kernels: KernelConfig | None, tp: TPG
     `tp`: this rank's tensor-parallel group (None: one rank); `pp`: its pipeline stage (None:
     every layer)."""
     return OpContext(torch.device(device), dtype, kernels or KernelConfig(), tp or TPGroup(), pp or PipelineStage())
+
+
+def build_meta_model(cfg: ArchConfig, max_positions: int, dtype: torch.dtype, kernels: KernelConfig | None = None):
+    """The whole model (every layer, one rank's shapes) on the meta device: no memory; what
+    names and shapes are checked against on a rank that holds only a shard or a stage."""
+    with torch.device("meta"):
+        return model_class(cfg)(cfg, max_positions, op_context("meta", dtype, kernels))
 
 
 def stage_weights(model, weights):

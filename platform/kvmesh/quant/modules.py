@@ -48,6 +48,12 @@ class QuantLinear(nn.Module):
         # A row-parallel layer's group (layers/linear.py): partial products all-reduced, then
         # the bias added once. None: nothing to reduce (one rank, or a column / replicated layer).
         self.reduce_group: TPGroup | None = None
+        # The tensor-parallel layout of the float layer this one stands for (`like`): its
+        # whole-model sizes and how it cuts a whole-model tensor (LoRA adapters are cut so).
+        self.parallel = "replicated"
+        self.full_in_features, self.full_out_features = in_features, out_features
+        self.full_sizes: dict[str, int] | None = None
+        self._slicer = None
         for name in ("qweight", "scales", "zeros", "mins", "bias", "perm"):
             self.register_buffer(name, None)
 
@@ -61,7 +67,17 @@ class QuantLinear(nn.Module):
                      getattr(linear, "offsets", None), device, kernels.cpu_kernels and kernels.quantized_cpu_gemm)
         if linear.parallel == "row" and linear.ctx.tp.size > 1:
             module.reduce_group = linear.ctx.tp
+        if linear.ctx.tp.size > 1:
+            module.parallel = linear.parallel
+            module.full_in_features, module.full_out_features = linear.full_in_features, linear.full_out_features
+            module.full_sizes = getattr(linear, "full_sizes", None)
+            module._slicer = linear.local_slice  # (the float twin lives on the meta device: no memory)
         return module
+
+    def local_slice(self, t: torch.Tensor, shard: str | None = None) -> torch.Tensor:
+        """This rank's slice of a whole-model tensor, as the float layer it replaced cuts its
+        weight (layers/linear.py Linear.local_slice); the tensor itself on one rank."""
+        return t if self._slicer is None else self._slicer(t, shard)
 
     def _rows(self, shard: str | None) -> tuple[int, int]:
         key = shard or ""

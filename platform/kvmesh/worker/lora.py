@@ -16,6 +16,18 @@ use_rslora, rank_pattern / alpha_pattern) and `adapter_model.safetensors` (or `.
 module. q/k/v and gate/up adapters land in their shard of the fused projection. The
 attention and MLP projections are served; adapters of embeddings, the LM head or MoE
 experts, DoRA, LoRA biases and `modules_to_save` are refused by name.
+
+Tensor / pipeline parallel ranks (worker/parallel.py ParallelLoRA): `read` checks an adapter
+against `template`, the whole model built on the meta device, so rank 0 refuses a bad
+adapter for every stage before any rank holds it; `add` keeps this rank's part: the
+adapters of its stage's layers, cut as the layer's weight is (layers/linear.py
+`local_slice`): lora_B's rows for a column-parallel layer (each rank's heads / MLP columns;
+replicated KV heads take their replica's rows), lora_A's columns for a row-parallel one
+(each rank's partial x_r A_r^T B^T is summed by the layer's all-reduce, with the base
+partials). Every rank then holds, evicts and slots the same adapters in the same order:
+rank 0 decides evictions (`plan_add`) and the others follow, and slots are chosen by a
+step counter and adapter name, never by time or set order, so every rank lays a step's
+rows out alike.
 """
 
 from __future__ import annotations
@@ -25,9 +37,8 @@ import json
 import logging
 import math
 import re
-import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -50,7 +61,8 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?
 
 @dataclass
 class LoadedAdapter:
-    """An adapter read from disk: per kvmesh module, (shard index | None, A, scaled B)."""
+    """An adapter read from disk: per kvmesh module, (shard index | None, A, scaled B), the
+    whole model's tensors (`LoRAManager.add` keeps a rank's part)."""
 
     path: str
     rank: int
@@ -58,19 +70,70 @@ class LoadedAdapter:
     parts: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]]
     nbytes: int = 0
 
+    def to_bytes(self) -> bytes:
+        """The adapter as one safetensors blob (to send to other ranks, any transport)."""
+        from safetensors.torch import save
+
+        tensors, layout = {}, []
+        for target, pairs in self.parts.items():
+            for i, (shard, a, b) in enumerate(pairs):
+                tensors[f"{target}/{i}/A"], tensors[f"{target}/{i}/B"] = a.contiguous(), b.contiguous()
+                layout.append([target, i, shard])
+        meta = {"path": self.path, "rank": str(self.rank), "key": self.key, "layout": json.dumps(layout)}
+        return save(tensors, metadata=meta)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> "LoadedAdapter":
+        from safetensors.torch import load
+
+        tensors = load(blob)
+        # the metadata sits in the blob's JSON header (safetensors: an 8-byte length, then JSON)
+        meta = json.loads(blob[8: 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
+        parts: dict[str, list] = {}
+        for target, i, shard in json.loads(meta["layout"]):
+            parts.setdefault(target, []).append((shard, tensors[f"{target}/{i}/A"], tensors[f"{target}/{i}/B"]))
+        return cls(meta["path"], int(meta["rank"]), meta["key"], parts, _nbytes(parts))
+
+
+def _nbytes(parts: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]]) -> int:
+    return sum(t.numel() * t.element_size() for pairs in parts.values() for _, a, b in pairs for t in (a, b))
+
 
 @dataclass
 class _Held:
     name: str
     adapter: LoadedAdapter
     slot: int | None = None
-    last_used: float = field(default_factory=time.monotonic)
 
 
 def _shards(module: nn.Module) -> dict[str, tuple[int, int]]:
     """A fused layer's {shard: (output start, size)}; {"": (0, N)} for a plain one."""
     shards = getattr(module, "offsets", None) or getattr(module, "shards", None)
     return dict(shards) if shards else {"": (0, module.out_features)}
+
+
+def _served(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules()
+            if name.rsplit(".", 1)[-1] in SERVED_MODULES and hasattr(m, "set_delta")}
+
+
+def _full_out(layer: nn.Module, shard: str | None) -> int:
+    """The whole model's output rows of `layer` (of one shard of a fused layer)."""
+    if shard is None:
+        return getattr(layer, "full_out_features", layer.out_features)
+    sizes = getattr(layer, "full_sizes", None) or {k: size for k, (_, size) in _shards(layer).items()}
+    return sizes[shard]
+
+
+def _local_pair(layer: nn.Module, shard: str | None, a: torch.Tensor, b: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (A, B) of a whole-model pair, cut as the layer's weight is (see the module docstring)."""
+    parallel = getattr(layer, "parallel", "replicated")
+    if parallel == "row":
+        return layer.local_slice(a).contiguous(), b
+    if parallel == "column":
+        return a, layer.local_slice(b, shard).contiguous()
+    return a, b
 
 
 def _sgmv_backend(module: nn.Module, device: torch.device) -> str:
@@ -95,7 +158,10 @@ class LoRAManager:
     """See the module docstring. Construct once per model (it installs no deltas until an
     adapter adapting a layer is first loaded)."""
 
-    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype,
+                 template: nn.Module | None = None):
+        """`template`: the whole model (meta tensors will do) to check adapters against, for a
+        rank of a parallel group whose `model` holds a shard or a stage of it."""
         if getattr(model, "cfg", None) is not None and getattr(model.cfg, "moe_layers", None):
             logger.info("LoRA on a MoE model: attention projections only (expert adapters are refused)")
         self.model = model
@@ -106,10 +172,11 @@ class LoRAManager:
         self.device, self.dtype = device, dtype
         self._held: OrderedDict[str, _Held] = OrderedDict()
         self._slot_owner: list[str | None] = [None] * self.max_loras
-        self._slot_used: list[float] = [0.0] * self.max_loras
+        self._slot_used: list[int] = [0] * self.max_loras
+        self._tick = 0  # prepare() calls: slots' use order (the same on every rank)
         self._layers: dict[str, LoRASlots] = {}
-        self._modules = {name: m for name, m in model.named_modules()
-                         if name.rsplit(".", 1)[-1] in SERVED_MODULES and hasattr(m, "set_delta")}
+        self._modules = _served(model)
+        self._whole = self._modules if template is None else _served(template)
         self.loads = 0  # slot fills (an adapter copied to the device), for stats and tests
 
     # -- reading (any thread) -------------------------------------------------
@@ -158,13 +225,13 @@ class LoRAManager:
             alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, alpha_default)
             scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
             target, shard = self._target(module, path)
-            layer = self._modules[target]
-            shards = _shards(layer)
-            if a.shape[1] != layer.in_features:
+            layer = self._whole[target]
+            inputs = getattr(layer, "full_in_features", layer.in_features)
+            if a.shape[1] != inputs:
                 raise InvalidRequestError("lora_path", f"{path}: {module}.lora_A has {a.shape[1]} inputs; this "
-                                          f"model's layer has {layer.in_features}: the adapter is for another base")
-            index = None if shard is None else list(shards).index(shard)
-            want = layer.out_features if shard is None else shards[shard][1]
+                                          f"model's layer has {inputs}: the adapter is for another base")
+            index = None if shard is None else list(_shards(layer)).index(shard)
+            want = _full_out(layer, shard)
             if b.shape[0] != want:
                 raise InvalidRequestError("lora_path", f"{path}: {module}.lora_B has {b.shape[0]} outputs; this "
                                           f"model's layer has {want}: the adapter is for another base")
@@ -218,28 +285,48 @@ class LoRAManager:
         if leaf in packed:
             fused, shard = packed[leaf]
             name = name[: -len(leaf)] + fused
-        if name not in self._modules:
+        if name not in self._whole:
             raise InvalidRequestError("lora_path", f"{path}: it adapts {module!r}, which this model does not have "
                                       "(an adapter of another architecture, or of MoE expert layers)")
         return name, shard
 
     # -- host memory (step thread) --------------------------------------------
 
-    def add(self, name: str, path: str, loaded: LoadedAdapter, busy: frozenset[str] | set[str] = frozenset()) -> LoRAInfo:
-        """Hold `loaded` under `name` (replacing an idle adapter of that name), evicting the
-        least recently used adapter not in `busy` when host memory is full."""
-        old = self._held.get(name)
-        if old is not None:
+    def plan_add(self, name: str, busy: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """The adapters `add` evicts to hold `name`: the least recently used ones not in
+        `busy`, while host memory is full. InvalidRequestError if every one is busy."""
+        held = [n for n in self._held if n != name]
+        over = len(held) + 1 - self.capacity
+        victims = [n for n in held if n not in busy][: max(0, over)]
+        if len(victims) < over:
+            raise InvalidRequestError("lora", f"host memory holds max_cpu_loras={self.capacity} adapters, all "
+                                      "with requests in flight; retry later or raise --max-cpu-loras")
+        return victims
+
+    def add(self, name: str, path: str, loaded: LoadedAdapter, busy: frozenset[str] | set[str] = frozenset(),
+            evict: list[str] | None = None) -> LoRAInfo:
+        """Hold `loaded` (this rank's part of it) under `name`, replacing an idle adapter of
+        that name and evicting `evict` (default: `plan_add`'s choice)."""
+        victims = self.plan_add(name, busy) if evict is None else evict
+        if name in self._held:
             self._drop(name)
-        while len(self._held) >= self.capacity:
-            victim = next((n for n in self._held if n not in busy), None)
-            if victim is None:
-                raise InvalidRequestError("lora", f"host memory holds max_cpu_loras={self.capacity} adapters, all "
-                                          "with requests in flight; retry later or raise --max-cpu-loras")
+        for victim in victims:
             logger.info("LoRA: evicting adapter %r from host memory (LRU)", victim)
             self._drop(victim)
-        self._held[name] = _Held(name, loaded)
+        self._held[name] = _Held(name, self._local(loaded))
         return self._info(self._held[name])
+
+    def _local(self, loaded: LoadedAdapter) -> LoadedAdapter:
+        """This rank's part of a whole-model adapter: its stage's layers, its slices of them
+        (on one rank: the adapter as it is)."""
+        parts: dict[str, list] = {}
+        for target, pairs in loaded.parts.items():
+            layer = self._modules.get(target)
+            if layer is None:
+                continue  # another pipeline stage's layer
+            names = list(_shards(layer))
+            parts[target] = [(i, *_local_pair(layer, None if i is None else names[i], a, b)) for i, a, b in pairs]
+        return replace(loaded, parts=parts, nbytes=_nbytes(parts))
 
     def remove(self, name: str) -> bool:
         if name not in self._held:
@@ -278,9 +365,11 @@ class LoRAManager:
         names = set(names)
         if len(names) > self.max_loras:
             raise RuntimeError(f"a step batches {len(names)} adapters, more than max_loras={self.max_loras}")
-        now = time.monotonic()
+        self._tick += 1
+        now = self._tick
         slots: dict[str, int] = {}
-        for name in sorted(names, key=lambda n: self._held[n].slot is None):
+        # (by name, not set order: the ranks of a parallel group must choose the same slots)
+        for name in sorted(names, key=lambda n: (n not in self._held or self._held[n].slot is None, n)):
             held = self._held.get(name)
             if held is None:
                 raise RuntimeError(f"adapter {name!r} is not in host memory")

@@ -213,7 +213,8 @@ class ModelRunner:
         elif self.pipeline is not None:
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             positions = torch.from_numpy(np.concatenate(pos)).to(self.device)
-            hidden = self.pipeline(self.model, spans, num_decodes, input_ids, positions, self.kv_caches, self.backend)
+            hidden = self.pipeline(self.model, spans, num_decodes, input_ids, positions, self.kv_caches, self.backend,
+                                   batch)
             if hidden is None:  # a later stage: its layers ran; stage 0 computes logits and samples
                 return ModelRunnerOutput({}, logits={} if return_logits else None)
         else:

@@ -21,6 +21,11 @@ head; worker/groups.py read_group_blocks / write_group_blocks). So the shared KV
 P/D transfer work between workers of any shapes (a TP=2 prefill worker to a PP=2 decode
 worker and back), and block hashes do not depend on the sharding.
 
+LoRA adapters (`ParallelLoRA`): rank 0 reads and checks an adapter against the whole model;
+adding or removing one is a call like the others, the adapter's tensors sent as one
+safetensors blob (no shared file system needed), each rank keeping its cut of it
+(worker/lora.py).
+
 Failure: a rank that dies closes its gloo connections, so the collective or receive rank 0
 is in fails at once (a wedged rank: the collective timeout); a failed call marks the group
 broken for good (its collectives may be out of step), `health()` reports it (the worker goes
@@ -37,10 +42,12 @@ from typing import Any
 
 import torch
 
+from kvmesh.engine.lora import LoRAInfo
 from kvmesh.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from kvmesh.errors import RankFailedError
 from kvmesh.worker.groups import (ParallelGroups, connect, master_store, read_group_blocks, release, stage_ranges,
                                   whole_spec, write_group_blocks)
+from kvmesh.worker.lora import LoadedAdapter, LoRAManager
 from kvmesh.worker.model_runner import ModelRunner
 from kvmesh.worker.rank_process import ProcessLauncher, RankGroup, RankLauncher
 
@@ -65,7 +72,8 @@ class ParallelRunner:
         self.stages = stage_ranges(groups, local.arch.num_layers)
         self.model, self.arch, self.device, self.dtype = local.model, local.arch, local.device, local.dtype
         self.block_size, self.num_blocks = local.block_size, local.num_blocks
-        self.lora, self.grammar, self.backend = local.lora, local.grammar, local.backend
+        self.grammar, self.backend = local.grammar, local.backend
+        self.lora = ParallelLoRA(self, local.lora) if local.lora is not None else None
         self.broken: str | None = None
 
     def execute(self, sched: SchedulerOutput, **kwargs) -> ModelRunnerOutput:
@@ -131,6 +139,41 @@ class ParallelRunner:
             self.broken = "closed"
         self.ranks.close()
         release(self.groups)
+
+
+class ParallelLoRA:
+    """The engine's LoRAHost (engine/lora.py) for a parallel worker: rank 0's LoRAManager, with
+    every change of the held adapters made on every rank in the same order. Rank 0 decides
+    which adapters an add evicts; the ranks follow (worker/lora.py keeps their slots in step)."""
+
+    def __init__(self, runner: ParallelRunner, local: LoRAManager):
+        self.runner, self.local = runner, local
+        self.max_loras = local.max_loras
+
+    def read(self, name: str, path: str) -> LoadedAdapter:
+        return self.local.read(name, path)
+
+    def add(self, name: str, path: str, loaded: LoadedAdapter, busy: frozenset[str] = frozenset()) -> LoRAInfo:
+        victims = self.local.plan_add(name, busy)  # (an InvalidRequestError here reaches no rank)
+        return self.runner._call("lora_add", (name, loaded.to_bytes(), victims),
+                                 lambda: self.local.add(name, path, loaded, evict=victims))
+
+    def remove(self, name: str) -> bool:
+        if self.local.get(name) is None:
+            return False
+        return self.runner._call("lora_remove", (name,), lambda: self.local.remove(name))
+
+    def touch(self, name: str) -> None:
+        self.local.touch(name)  # host LRU order matters on rank 0 only: it plans the evictions
+
+    def get(self, name: str) -> LoRAInfo | None:
+        return self.local.get(name)
+
+    def adapters(self) -> list[LoRAInfo]:
+        return self.local.adapters()
+
+    def __getattr__(self, attr: str) -> Any:  # stats: loads, slot_bytes, ...
+        return getattr(self.local, attr)
 
 
 def start_group(tp: int, pp: int, threads: int, make_runner: Callable[[ParallelGroups], ModelRunner],

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kvmesh.layers.attention import SeqSpan
+from kvmesh.layers.lora import LoRABatch, lora_batch
 from kvmesh.layers.op import COMM
 
 KV_TAG = 1 << 20  # tags of KV block transfers (read_blocks / write_blocks), apart from micro-batch tags
@@ -115,7 +116,9 @@ class PipelineForward:
         self.group, self.hidden_size, self.dtype, self.device = group, hidden_size, dtype, device
 
     def __call__(self, model: Forward, spans: list[SeqSpan], num_decodes: int, input_ids: torch.Tensor,
-                 positions: torch.Tensor, kv_caches: list, backend) -> torch.Tensor | None:
+                 positions: torch.Tensor, kv_caches: list, backend, lora: LoRABatch | None = None
+                 ) -> torch.Tensor | None:
+        """`lora`: the step's adapter rows (each micro-batch runs under its window of them)."""
         g = self.group
         mbs = split_microbatches(spans, num_decodes, g.size)
         returned: list[tuple[Any, torch.Tensor]] = []
@@ -126,13 +129,16 @@ class PipelineForward:
         sending: list[tuple[Any, torch.Tensor]] = []
         for i, mb in enumerate(mbs):
             meta = backend.build_metadata(mb.spans, mb.num_decodes)
+            rows = None if lora is None else lora.window(mb.tokens.start, mb.tokens.stop)
             if g.first:
-                h = model(input_ids[mb.tokens], positions[mb.tokens], kv_caches, meta, backend)
+                with lora_batch(rows):
+                    h = model(input_ids[mb.tokens], positions[mb.tokens], kv_caches, meta, backend)
             else:
                 h = self._buffer(mb.num_tokens)
                 with COMM.timed("pp_wait", h):
                     g.recv(h, g.rank - 1, i).wait()
-                h = model(None, positions[mb.tokens], kv_caches, meta, backend, hidden=h)
+                with lora_batch(rows):
+                    h = model(None, positions[mb.tokens], kv_caches, meta, backend, hidden=h)
             # A copy: the next micro-batch may reuse the buffer a fast path returned this one in.
             h = h.clone()
             if COMM.enabled:

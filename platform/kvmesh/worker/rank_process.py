@@ -10,6 +10,8 @@ composition root), says "ready", then serves rank 0's calls in order until "shut
     ("forget", request_id)      drop per-request state
     ("read_blocks", ids)        join rank 0's gather of those blocks' KV (its heads, its layers)
     ("write_blocks", ids)       join rank 0's scatter of those blocks' KV
+    ("lora_add", name, blob, evict)   hold an adapter (its cut of it), evicting `evict` first
+    ("lora_remove", name)       drop an adapter
 
 Calls travel over one connection per rank (pickled; a SchedulerOutput is a few KB): a pipe
 to a child process here, a socket to a Ray actor (kvmesh.serve.rank_actors); tensors travel
@@ -34,6 +36,7 @@ import torch
 
 from kvmesh.errors import RankFailedError
 from kvmesh.worker.groups import ParallelGroups, connect, join_store, read_group_blocks, write_group_blocks
+from kvmesh.worker.lora import LoadedAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +82,14 @@ _HANDLERS: dict[str, Callable[..., None]] = {
     "forget": lambda runner, groups, request_id: runner.forget(request_id),
     "read_blocks": read_group_blocks,
     "write_blocks": write_group_blocks,
+    "lora_add": lambda runner, groups, name, blob, evict: _lora_add(runner, name, blob, evict),
+    "lora_remove": lambda runner, groups, name: runner.lora.remove(name),
 }
+
+
+def _lora_add(runner, name: str, blob: bytes, evict: list[str]) -> None:
+    adapter = LoadedAdapter.from_bytes(blob)
+    runner.lora.add(name, adapter.path, adapter, evict=evict)
 
 
 def group_kind(tp: int, pp: int) -> str:
