@@ -11,7 +11,8 @@ peft itself, lora_B random so the adapter changes the output):
   served ones, /v1/unload_lora_adapter removes it (404 after), bad bodies are 400 naming the
   field, the admin routes need the API key when keys are set; idle workers are back at their
   full free-block count;
-- the one-command server passes the adapters on (`--enable-lora`, router --lora-modules).
+- the one-command server passes the adapters on (`--enable-lora`, router --lora-modules);
+- a tensor-parallel (TP=2) worker loads and serves an adapter over gRPC.
 """
 
 from __future__ import annotations
@@ -327,3 +328,43 @@ def test_requests_for_two_adapters_and_the_base_model_run_together(stack, adapte
     for name in ("a1", "a2"):
         loop.run(r.api.unload_lora_adapter(name, call), timeout_s=60)
     _assert_idle(loop, workers)
+
+
+def test_a_tensor_parallel_worker_serves_adapters(tiny_llama, adapter, reference):
+    """A TP=2 worker (rank 1 a child process) over real gRPC: LoadLoRA reaches both ranks,
+    Generate under the adapter equals peft, a folder that is no adapter is INVALID_ARGUMENT
+    and the group keeps serving, idle at its full free-block count."""
+    loop = LoopThread("lora-tp-test")
+    cfg = EngineConfig.from_kwargs(model=str(tiny_llama), block_size=4, num_blocks=64, max_model_len=128,
+                                   num_threads=2, tensor_parallel_size=2,
+                                   lora=LoRAConfig(max_loras=1, max_lora_rank=16))
+
+    async def run():
+        w = build_worker(cfg, WorkerServerConfig(role="unified"))
+        await w.start()
+        try:
+            async with w.auth.channel(w.address) as ch:
+                stub = worker_pb2_grpc.WorkerStub(ch)
+
+                async def tokens(ref):
+                    req = llm_pb2.GenerateRequest(prompt_token_ids=PROMPT, params=_greedy(), lora=ref)
+                    return [t async for m in stub.Generate(req, timeout=60) for t in m.token_ids]
+
+                await stub.LoadLoRA(worker_pb2.LoadLoRARequest(lora=llm_pb2.LoRARef(name="sql", path=adapter)),
+                                    timeout=60)
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    await stub.LoadLoRA(worker_pb2.LoadLoRARequest(lora=llm_pb2.LoRARef(name="bad", path=str(tiny_llama))),
+                                        timeout=60)
+                got = await tokens(llm_pb2.LoRARef(name="sql")), await tokens(None)
+                healthy = w.aengine.engine.executor.runner.health()
+                return got, bad.value, healthy
+        finally:
+            await w.stop(grace=0.5)
+
+    try:
+        (lora_tokens, base_tokens), bad, healthy = loop.run(run(), timeout_s=300)
+    finally:
+        loop.stop()
+    assert lora_tokens == reference["lora"] and base_tokens == reference["base"]
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "adapter_config.json" in bad.details()
+    assert healthy == (True, "")
