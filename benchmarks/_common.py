@@ -49,6 +49,34 @@ def load_snapshot() -> dict:
     return {"1min": one, "5min": five, "15min": fifteen, "time": time.time()}
 
 
+def cpu_busy(interval_s: float = 1.0) -> float:
+    """Cores busy over the next `interval_s` (from /proc/stat; NaN without it): unlike the
+    load average, which trails a finished run by a minute, this says what runs now."""
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # total, idle + iowait
+
+    try:
+        t0, i0 = sample()
+        time.sleep(interval_s)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    total = t1 - t0
+    return (os.cpu_count() or 1) * (1 - (i1 - i0) / total) if total > 0 else 0.0
+
+
+def wait_cores_quiet(max_wait_s: float = 60.0, busy_cores: float = 0.25) -> tuple[float, float]:
+    """Between two systems of one run: wait until fewer than `busy_cores` cores are busy (the
+    last one's processes have exited, its page cache writes are done) or `max_wait_s`;
+    returns (seconds waited, cores busy at the end)."""
+    t0 = time.monotonic()
+    busy = cpu_busy()
+    while not busy < busy_cores and time.monotonic() - t0 < max_wait_s:
+        busy = cpu_busy()
+    return time.monotonic() - t0, busy
+
+
 def is_idle(load_1min: float, own_threads: int = 0) -> bool:
     """Whether nobody else is using the cores.
 

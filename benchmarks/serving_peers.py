@@ -47,7 +47,7 @@ from pathlib import Path
 
 from kvmesh.bench import ServeConfig, parse_goodput, prefix_samples, random_samples, run_serve
 
-from _common import RESULTS_DIR, check_idle, load_snapshot, md_table, wait_for_idle, write_results
+from _common import RESULTS_DIR, check_idle, load_snapshot, md_table, wait_cores_quiet, wait_for_idle, write_results
 
 SERVERS = ("kvmesh-ray", "kvmesh-local", "vllm")
 WORKLOADS = ("random", "prefix", "burst")
@@ -127,6 +127,9 @@ def start_server(name: str, model_dir: Path, port: int, grpc_port: int, log: Pat
 
 
 def stop_server(proc: subprocess.Popen) -> None:
+    """Stop a server and everything it started (its process group: vLLM's engine core, kvmesh's
+    workers), then wait for the cores to go quiet, so the next server's round does not share
+    them with this one's exit (the load average cannot tell: it trails by a minute)."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -136,6 +139,23 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait(10)
     if "ray" in " ".join(proc.args):  # a Ray instance can outlive an interrupted driver
         subprocess.run(["ray", "stop", "--force"], capture_output=True)
+    deadline = time.monotonic() + 30
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _group_alive(proc.pid):
+        os.killpg(proc.pid, signal.SIGKILL)
+    waited, busy = wait_cores_quiet()
+    print(f"   stopped; cores quiet after {waited:.1f} s ({busy:.2f} busy)", flush=True)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 # -- runs -------------------------------------------------------------------------------
