@@ -95,6 +95,15 @@ class SchedulerConfig(_Base):
     max_num_batched_tokens: int = Field(
         1024, ge=1, description="Token budget per step; longer prompts are prefilled in chunks."
     )
+    max_deferred_decode_steps: int = Field(
+        0, ge=0,
+        description="0 (default): every step carries all running decodes plus prompt chunks in the rest of the "
+        "budget (vLLM's mixed steps). N > 0: prefill-first steps (SGLang's default): while prompts wait, a step "
+        "runs prompt chunks only and the running decodes sit it out, for at most N steps in a row. A new "
+        "request's first token pays for no decode rows (lower TTFT under load) and the streams pay one extra "
+        "decode step per prompt (higher TPOT; on a 2-vCPU Zen 4 at 2 req/s, N=4 gave TTFT p50 -5..-10% for "
+        "TPOT +12% and throughput -3%).",
+    )
     step_timeout_s: float = Field(
         120.0, gt=0,
         description="Step watchdog: a serving engine whose step runs longer than this is reported unhealthy "

@@ -163,3 +163,19 @@ def test_stop_string_finishes_with_reason(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == full.text[: full.text.index(stop)]
     assert llm.engine.num_free_blocks == llm.engine.num_usable_blocks
+
+
+def test_prefill_first_steps_match_transformers(tiny_llama):
+    """Prefill-first scheduling (decodes deferred while prompts are chunked in) changes
+    which rows share a step, never the tokens: greedy outputs equal transformers'."""
+    from helpers import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(tiny_llama), progress=False, block_size=4, num_blocks=200, max_model_len=256,
+              max_num_batched_tokens=16, max_deferred_decode_steps=2)
+    prompts = [_prompt(n, seed) for seed, n in enumerate((9, 40, 23, 61))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), torch_dtype=torch.float32).eval()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in prompts]
+    eng = llm.engine
+    assert eng.num_free_blocks == eng.num_usable_blocks

@@ -10,9 +10,9 @@ from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler
 
 
-def make(num_blocks=16, block_size=4, max_seqs=8, budget=64, max_len=48, caching=True):
+def make(num_blocks=16, block_size=4, max_seqs=8, budget=64, max_len=48, caching=True, defer=0):
     kv = KVCacheManager(num_blocks, block_size, "fp", enable_prefix_caching=caching)
-    return Scheduler(kv, max_seqs, budget, max_len), kv
+    return Scheduler(kv, max_seqs, budget, max_len, max_deferred_decode_steps=defer), kv
 
 
 def req(rid, n, max_tokens=4, start=100):
@@ -40,6 +40,50 @@ def test_chunked_prefill_mixed_with_decode():
     out, _ = run_step(s)
     assert [(q.request_id, q.num_tokens, q.sample) for q in out.seqs] == [("a", 1, True), ("b", 6, True)]
     assert s.requests["b"].num_computed_tokens == 20 and s.requests["b"].output_token_ids == [7]
+
+
+def test_prefill_first_defers_decodes_for_at_most_n_steps():
+    s, kv = make(budget=8, defer=2)
+    s.add_request(req("a", 3, max_tokens=8))
+    run_step(s)
+    s.add_request(req("b", 20))
+    # b's prompt takes whole steps while a's decode sits out, two steps in a row at most
+    out, _ = run_step(s)
+    assert [(q.request_id, q.num_tokens, q.start_pos) for q in out.seqs] == [("b", 8, 0)]
+    out, _ = run_step(s)
+    assert [(q.request_id, q.num_tokens, q.start_pos) for q in out.seqs] == [("b", 8, 8)]
+    out, _ = run_step(s)  # the cap: a decodes, b gets the rest of the budget
+    assert [(q.request_id, q.num_tokens, q.start_pos) for q in out.seqs] == [("a", 1, 3), ("b", 4, 16)]
+    out, _ = run_step(s)  # no prompt work left: everyone decodes
+    assert [(q.request_id, q.num_tokens) for q in out.seqs] == [("a", 1), ("b", 1)]
+    s.add_request(req("c", 5, start=300))
+    out, _ = run_step(s)  # a new prompt: its step carries no decode rows
+    assert [(q.request_id, q.num_tokens, q.sample) for q in out.seqs] == [("c", 5, True)]
+    while s.has_unfinished():
+        run_step(s)
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_prefill_first_runs_decodes_when_no_prompt_can_start():
+    s, kv = make(max_seqs=1, defer=4)
+    s.add_request(req("a", 4, max_tokens=3))
+    run_step(s)
+    s.add_request(req("b", 4, start=50))  # no seat for b: a must not stall
+    for pos in (4, 5):
+        out, _ = run_step(s)
+        assert [(q.request_id, q.num_tokens, q.start_pos) for q in out.seqs] == [("a", 1, pos)]
+    out, _ = run_step(s)  # a finished; b starts
+    assert [(q.request_id, q.num_tokens) for q in out.seqs] == [("b", 4)]
+    while s.has_unfinished():
+        run_step(s)
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_negative_deferral_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="max_deferred_decode_steps"):
+        make(defer=-1)
 
 
 def test_block_table_is_append_only_and_freed_on_finish():

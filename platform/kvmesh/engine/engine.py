@@ -105,7 +105,8 @@ class LLMEngine:
         self.lora: LoRAHost | None = getattr(executor, "lora", None) if config.lora is not None else None
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_seqs, sc.max_num_batched_tokens, model.max_model_len,
                                    kv_loader=kv_loader if kv_loader is not None else kv_connector,
-                                   max_loras=self.lora.max_loras if self.lora is not None else None)
+                                   max_loras=self.lora.max_loras if self.lora is not None else None,
+                                   max_deferred_decode_steps=sc.max_deferred_decode_steps)
         self._states: dict[str, _OutputState] = {}
         # n > 1: request id -> the scheduler ids of its unfinished choices (abort takes all).
         self._groups: dict[str, list[str]] = {}

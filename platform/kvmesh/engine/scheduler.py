@@ -51,6 +51,7 @@ class Scheduler:
         max_model_len: int,
         kv_loader: KVLoader | None = None,
         max_loras: int | None = None,
+        max_deferred_decode_steps: int = 0,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
@@ -76,6 +77,12 @@ class Scheduler:
         # KV computed elsewhere (shared store, prefill worker), consulted at admission.
         self.kv_loader = kv_loader
         self.max_loras = max_loras
+        # Prefill-first steps (see schedule()): how many steps in a row the running decodes
+        # may sit out while prompt chunks run, and how many they have sat out so far.
+        if max_deferred_decode_steps < 0:
+            raise ValueError("max_deferred_decode_steps must be >= 0")
+        self.max_deferred_decode_steps = max_deferred_decode_steps
+        self._decode_deferrals = 0
 
     # -- queue management -------------------------------------------------
 
@@ -171,6 +178,35 @@ class Scheduler:
     # -- scheduling -------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The next step's work, within the token budget and max_num_seqs.
+
+        Two ways to fill a step (`max_deferred_decode_steps`):
+        - mixed (0, vLLM's policy): every running decode gets its token, and prompt chunks
+          (unfinished chunked prompts first, then new requests in arrival order) take the
+          rest of the budget;
+        - prefill-first (> 0, SGLang's default): while there is prompt work, a step runs
+          prompt chunks only, with the whole budget, and the decodes wait, for at most
+          that many steps in a row. A new request's first token then pays for no decode
+          rows, and requests that arrive meanwhile wait for a shorter step; the streams
+          pay one short decode step per prompt instead. When no prompt chunk can be
+          scheduled (no seat, no KV blocks) the decodes run at once.
+        """
+        defer = self._decode_deferrals < self.max_deferred_decode_steps
+        scheduled, preempted = self._plan(defer_decodes=defer)
+        if defer and not scheduled:  # no prompt work could run: the decodes go now
+            scheduled, more = self._plan(defer_decodes=False)
+            preempted += more
+        picked = {id(req) for req, _, _ in scheduled}
+        if any(id(r) not in picked and r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            self._decode_deferrals += 1
+        else:
+            self._decode_deferrals = 0
+        return self._output(scheduled, preempted)
+
+    def _plan(self, defer_decodes: bool) -> tuple[list[tuple[Request, int, list[int]]], list[Request]]:
+        """(request, tokens to compute, draft tokens) per scheduled request, and the
+        requests preempted to make room. `defer_decodes`: leave out running requests that
+        compute one token (decodes), for prompt chunks only."""
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int, list[int]]] = []
         preempted: list[Request] = []
@@ -179,6 +215,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = req.num_tokens - req.num_computed_tokens
+            if defer_decodes and num_new == 1:
+                i += 1  # its drafts (if any) stay for the step it runs in
+                continue
             spec: list[int] = []
             if num_new == 1 and req.spec_token_ids:
                 # Drafts ride along with the decode token; never past the budget, the
@@ -239,7 +278,9 @@ class Scheduler:
                     req.num_cached_tokens = prefix.num_tokens + num_ext
                 scheduled.append((req, num_new, []))
                 budget -= num_new
+        return scheduled, preempted
 
+    def _output(self, scheduled: list[tuple[Request, int, list[int]]], preempted: list[Request]) -> SchedulerOutput:
         seqs = []
         for req, n, spec in scheduled:
             start = req.num_computed_tokens
