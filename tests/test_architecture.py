@@ -116,6 +116,7 @@ SAMPLES = {
     ("cache", "kv_cache_dtype"): "int8",
     ("cache", "kv_cache_populate"): "startup",
     ("scheduler", "max_num_seqs"): "7", ("scheduler", "max_num_batched_tokens"): "333",
+    ("scheduler", "max_deferred_decode_steps"): "3",
     ("scheduler", "step_timeout_s"): "30", ("parallel", "tensor_parallel_size"): "2",
     ("parallel", "pipeline_parallel_size"): "2", ("parallel", "distributed_backend"): "gloo",
     ("parallel", "shm_all_reduce"): None, ("cache", "max_pinned_fraction"): "0.25",
