@@ -196,11 +196,10 @@ class Scheduler:
         if defer and not scheduled:  # no prompt work could run: the decodes go now
             scheduled, more = self._plan(defer_decodes=False)
             preempted += more
-        picked = {id(req) for req, _, _ in scheduled}
-        if any(id(r) not in picked and r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
-            self._decode_deferrals += 1
-        else:
-            self._decode_deferrals = 0
+        if self.max_deferred_decode_steps:  # mixed steps (0) keep no count: no extra pass per step
+            picked = {id(req) for req, _, _ in scheduled}
+            left_out = any(id(r) not in picked and r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+            self._decode_deferrals = self._decode_deferrals + 1 if left_out else 0
         return self._output(scheduled, preempted)
 
     def _plan(self, defer_decodes: bool) -> tuple[list[tuple[Request, int, list[int]]], list[Request]]:
