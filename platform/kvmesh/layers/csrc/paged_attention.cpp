@@ -19,10 +19,11 @@
 // - one pass over the context in chunks of CHUNK tokens with an online softmax (running
 //   max m, sum l, rescaled accumulator), so K and V rows of a chunk are read back to back
 //   and no score buffer grows with the context; the next chunk's rows are prefetched
-//   (blocks are scattered, the hardware prefetcher stops at each one);
-// - for head sizes of 2 / 4 / 8 / 16 whole vectors, a register-blocked variant keeps a
-//   query head in registers while scoring a chunk and its accumulator while adding the
-//   values (2x the general loop per thread on cached data, 1.3x from DRAM);
+//   (blocks are scattered, the hardware prefetcher stops at each one), spread over the
+//   chunk's work rather than asked for at once;
+// - for head sizes of 2 / 4 / 8 / 16 whole vectors, a register-blocked variant scores W keys
+//   at a time with one transposed reduction (no horizontal sum per key) and adds each value
+//   row into all G heads' accumulators held in registers (`attend_fixed`);
 // - the ISA is chosen when the kernel is built on the machine (-march=native): AVX-512
 //   (16 lanes), AVX2 + FMA (8 lanes), or portable scalar code; bf16 / fp16 rows widen to
 //   fp32 in registers, accumulation is fp32; exp is a vectorised polynomial (Cephes expf,
@@ -89,6 +90,11 @@ inline void reset_state(Partial st, int64_t H, int64_t D) {
   std::fill(st.acc, st.acc + H * D, 0.f);
 }
 
+// Offset (in elements) of token t's cache row (all KV heads) through the block table.
+inline int64_t row_offset(const int64_t* table, int64_t bs, int64_t row_stride, int64_t t) {
+  return (table[t / bs] * bs + t % bs) * row_stride;
+}
+
 // Points krows / vrows at the cache rows of tokens [t0, t0 + n) through the block table,
 // and prefetches the rows of the following chunk (up to t_end): blocks sit anywhere in the
 // cache and the hardware prefetcher stops at every block (and page) boundary, so the next
@@ -98,16 +104,14 @@ template <typename scalar_t>
 inline void chunk_rows(const scalar_t* kp, const scalar_t* vp, const int64_t* table, int64_t bs, int64_t row_stride,
                        int64_t t0, int64_t n, int64_t t_end, const scalar_t** krows, const scalar_t** vrows) {
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t t = t0 + j;
-    const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
+    const int64_t off = row_offset(table, bs, row_stride, t0 + j);
     krows[j] = kp + off;
     vrows[j] = vp + off;
   }
   const int64_t n_next = std::min(CHUNK, t_end - t0 - n);
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t j = 0; j < n_next; ++j) {
-    const int64_t t = t0 + n + j;
-    const int64_t off = (table[t / bs] * bs + t % bs) * row_stride;
+    const int64_t off = row_offset(table, bs, row_stride, t0 + n + j);
     prefetch_bytes(kp + off, row_bytes);
     prefetch_bytes(vp + off, row_bytes);
   }
@@ -193,61 +197,22 @@ void attend(const float* qs, const scalar_t* kp, const scalar_t* vp, const float
   }
 }
 
-// `attend` for rows of exactly NV vectors (D = NV * W: head sizes 32 / 64 / 128 / 256),
-// the common case. Same arithmetic, loops reordered so the hot data stays in registers:
-// a query head's NV vectors while it scores the chunk's keys (one horizontal sum per
-// score, not one per accumulator), and its NV accumulators while it adds the chunk's
-// values (no accumulator load / store per token). The heads sharing a KV head run back
-// to back, so that head's slice of the chunk's rows is read from L1 after the first.
-template <typename scalar_t, int NV>
-void attend_fixed(const float* qs, const scalar_t* kp, const scalar_t* vp, const float*, const float*,
-                  const int64_t* table, int64_t bs, int64_t KVH, int64_t D, int64_t G, int64_t t_begin,
-                  int64_t t_end, Partial st, float* scores, float*) {
-  const int64_t H = KVH * G;
-  const int64_t row_stride = KVH * D;
-  reset_state(st, H, D);
-  const scalar_t* krows[CHUNK];
-  const scalar_t* vrows[CHUNK];
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += CHUNK) {
-    const int64_t n = std::min(CHUNK, t_end - t0);
-    chunk_rows(kp, vp, table, bs, row_stride, t0, n, t_end, krows, vrows);
-    for (int64_t g = 0; g < H; ++g) {
-      const int64_t koff = (g / G) * D;
-      vec q[NV];
-      for (int i = 0; i < NV; ++i) q[i] = vload(qs + g * D + i * W);
-      float* sg = scores + g * CHUNK;
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t* k = krows[j] + koff;
-        vec a0 = vmul(q[0], vload(k));
-        vec a1 = NV > 1 ? vmul(q[1], vload(k + W)) : vzero();
-        for (int i = 2; i < NV; i += 2) {
-          a0 = vfma(q[i], vload(k + i * W), a0);
-          if (i + 1 < NV) a1 = vfma(q[i + 1], vload(k + (i + 1) * W), a1);
-        }
-        sg[j] = vsum(vadd(a0, a1));
-      }
-      float sum;
-      const float mx = exp_chunk(sg, n, st.m[g], sum);
-      float* ag = st.acc + g * D;
-      vec acc[NV];
-      if (mx != st.m[g]) {
-        const float alpha = exp_nonpos(st.m[g] - mx);  // 0 on the first chunk (m = -inf)
-        st.l[g] *= alpha;
-        st.m[g] = mx;
-        const vec va = vset1(alpha);
-        for (int i = 0; i < NV; ++i) acc[i] = vmul(va, vload(ag + i * W));
-      } else {
-        for (int i = 0; i < NV; ++i) acc[i] = vload(ag + i * W);
-      }
-      st.l[g] += sum;
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t* v = vrows[j] + koff;
-        const vec p = vset1(sg[j]);
-        for (int i = 0; i < NV; ++i) acc[i] = vfma(p, vload(v + i * W), acc[i]);
-      }
-      for (int i = 0; i < NV; ++i) vstore(ag + i * W, acc[i]);
-    }
+// Online-softmax update of one head for a chunk of n scores `sg` (replaced by their
+// exponentials against the new running max): the running max m and sum l move on, and the
+// accumulator `ag` (D floats) is rescaled to the new max; the caller then adds P V.
+inline void online_update(float* sg, int64_t n, float& m, float& l, float* ag, int64_t D) {
+  float sum;
+  const float mx = exp_chunk(sg, n, m, sum);
+  if (mx != m) {
+    const float alpha = exp_nonpos(m - mx);  // 0 on the first chunk (m = -inf)
+    l *= alpha;
+    const vec va = vset1(alpha);
+    int64_t d = 0;
+    for (; d + W <= D; d += W) vstore(ag + d, vmul(va, vload(ag + d)));
+    for (; d < D; ++d) ag[d] *= alpha;
+    m = mx;
   }
+  l += sum;
 }
 
 // Scores and online-softmax update of one query head `q` (pre-scaled, D floats) over a chunk
@@ -300,18 +265,7 @@ inline void scores_q8(const float* q, const float* kt, const float* ks, const fl
     vstore(sg + j0, vmul(sc, vload(ks + j0)));
   }
   for (int64_t j = nw; j < n; ++j) sg[j] = (vsum(dot(kt + j * D)) + rest(kt + j * D)) * ks[j];
-  float sum;
-  const float mx = exp_chunk(sg, n, m, sum);
-  if (mx != m) {
-    const float alpha = exp_nonpos(m - mx);  // 0 on the first chunk (m = -inf)
-    l *= alpha;
-    const vec va = vset1(alpha);
-    int64_t d = 0;
-    for (; d + W <= D; d += W) vstore(ag + d, vmul(va, vload(ag + d)));
-    for (; d < D; ++d) ag[d] *= alpha;
-    m = mx;
-  }
-  l += sum;
+  online_update(sg, n, m, l, ag, D);
   for (int64_t j = 0; j < nw; j += W) vstore(sg + j, vmul(vload(sg + j), vload(vs + j)));
   for (int64_t j = nw; j < n; ++j) sg[j] *= vs[j];
 }
@@ -339,13 +293,14 @@ inline void pv_tile_q8(const float* vt, const float* sg, int64_t D, int64_t n, f
   }
 }
 
-// P V for HB heads at once straight from the int8 value rows `vrows` (n of them, D = NV * W):
-// each row widened once into registers and added into the HB heads' accumulators, also held
-// in registers; head h's probabilities are sg[h * CHUNK ..], its accumulator ag[h * D ..].
-// (A tile of widened values would cost a store and HB loads per vector: on CPUs that split
-// 512-bit stores, the tile's L1 traffic was the int8 kernel's bound.)
-template <int NV, int HB>
-inline void pv_regs_q8(const int8_t* const* vrows, const float* sg, int64_t n, float* ag, int64_t D) {
+// P V for HB heads at once straight from the value rows `vrows` (n of them, D = NV * W; int8
+// or the float cache's dtype): each row loaded (widened) once into registers and added into
+// the HB heads' accumulators, also held in registers; head h's probabilities are
+// sg[h * CHUNK ..], its accumulator ag[h * D ..]. (A tile of widened values would cost a store
+// and HB loads per vector: on CPUs that split 512-bit stores, the tile's L1 traffic was the
+// int8 kernel's bound. For a float cache, one value row per head would be read G times.)
+template <int NV, int HB, typename T>
+inline void pv_regs(const T* const* vrows, const float* sg, int64_t n, float* ag, int64_t D) {
   vec acc[HB][NV];
   for (int h = 0; h < HB; ++h)
     for (int i = 0; i < NV; ++i) acc[h][i] = vload(ag + h * D + i * W);
@@ -367,13 +322,95 @@ constexpr int kAccRegs = W >= 16 ? 16 : 8;
 template <int NV>
 constexpr int kHeadsPerPass = NV > 0 ? kAccRegs / NV : 0;
 
-// pv_regs_q8 over heads [0, nh) in passes of up to HB (the last pass with the rest).
-template <int NV, int HB>
-inline void pv_heads_q8(const int8_t* const* vrows, const float* sg, int64_t n, float* ag, int64_t D, int64_t nh) {
+// pv_regs over heads [0, nh) in passes of up to HB (the last pass with the rest).
+template <int NV, int HB, typename T>
+inline void pv_heads(const T* const* vrows, const float* sg, int64_t n, float* ag, int64_t D, int64_t nh) {
   int64_t h = 0;
-  for (; h + HB <= nh; h += HB) pv_regs_q8<NV, HB>(vrows, sg + h * CHUNK, n, ag + h * D, D);
+  for (; h + HB <= nh; h += HB) pv_regs<NV, HB>(vrows, sg + h * CHUNK, n, ag + h * D, D);
   if constexpr (HB > 1) {
-    if (h < nh) pv_heads_q8<NV, HB - 1>(vrows, sg + h * CHUNK, n, ag + h * D, D, nh - h);
+    if (h < nh) pv_heads<NV, HB - 1>(vrows, sg + h * CHUNK, n, ag + h * D, D, nh - h);
+  }
+}
+
+// Scores of one query head `q` (pre-scaled, D = NV * W floats) against n key rows `krows`
+// (the float cache's dtype, each pointing at this KV head's D values): W keys at a time, their
+// W partial-sum vectors reduced together (vsums, ~3 instructions a key; one horizontal sum
+// per key is ~8, and was the larger part of the kernel's work), the n % W rest one by one.
+// The query stays in registers where they hold it beside the W accumulators.
+template <int NV, typename scalar_t>
+inline void scores_rows(const float* q, const scalar_t* const* krows, int64_t n, float* sg) {
+  constexpr bool kQInRegs = NV + W <= 24;
+  vec qr[kQInRegs ? NV : 1];
+  if constexpr (kQInRegs)
+    for (int i = 0; i < NV; ++i) qr[i] = vload(q + i * W);
+  auto qv = [&](int i) __attribute__((always_inline)) {
+    if constexpr (kQInRegs) return qr[i];
+    else return vload(q + i * W);
+  };
+  auto dot = [&](const scalar_t* k) __attribute__((always_inline)) {
+    vec a0 = vmul(qv(0), vload(k));
+    vec a1 = NV > 1 ? vmul(qv(1), vload(k + W)) : vzero();
+    for (int i = 2; i < NV; i += 2) {
+      a0 = vfma(qv(i), vload(k + i * W), a0);
+      if (i + 1 < NV) a1 = vfma(qv(i + 1), vload(k + (i + 1) * W), a1);
+    }
+    return vadd(a0, a1);
+  };
+  const int64_t nw = W > 1 ? n / W * W : 0;
+  for (int64_t j0 = 0; j0 < nw; j0 += W) {
+    vec acc[W];
+    for (int64_t t = 0; t < W; ++t) acc[t] = dot(krows[j0 + t]);
+    vstore(sg + j0, vsums(acc));
+  }
+  for (int64_t j = nw; j < n; ++j) sg[j] = vsum(dot(krows[j]));
+}
+
+// `attend` for rows of exactly NV vectors (D = NV * W: head sizes 32 / 64 / 128 / 256),
+// the common case. Same arithmetic, reordered per chunk and KV head: the G query heads
+// sharing the KV head score the chunk's keys W at a time (`scores_rows`), then P V adds
+// each value row once into all G heads' accumulators held in registers (`pv_heads`), so
+// the head's slice of a value row is loaded once, not G times; the next chunk's rows are
+// prefetched a slice at a time between the heads (below). SmolLM2-135M's heads, 30 layers'
+// caches out of cache (huge pages, blocks scattered), 32 sequences of 300 tokens, 2 threads,
+// Zen 4: 28-31 -> 23 ms a step (14-16 -> 19 GB/s; a burst of prefetches per chunk and one
+// horizontal sum per key had it at half the 29 GB/s the cores read sequentially).
+template <typename scalar_t, int NV>
+void attend_fixed(const float* qs, const scalar_t* kp, const scalar_t* vp, const float*, const float*,
+                  const int64_t* table, int64_t bs, int64_t KVH, int64_t D, int64_t G, int64_t t_begin,
+                  int64_t t_end, Partial st, float* scores, float*) {
+  constexpr int HB = kHeadsPerPass<NV> > 0 ? kHeadsPerPass<NV> : 1;
+  const int64_t row_stride = KVH * D;
+  reset_state(st, KVH * G, D);
+  const int64_t head_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  int64_t offs[CHUNK], next[CHUNK];  // this chunk's and the next one's row offsets
+  const scalar_t* hk[CHUNK];
+  const scalar_t* hv[CHUNK];
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, t_end - t0);
+    const int64_t n_next = std::min(CHUNK, t_end - t0 - n);
+    for (int64_t j = 0; j < n; ++j) offs[j] = row_offset(table, bs, row_stride, t0 + j);
+    for (int64_t j = 0; j < n_next; ++j) next[j] = row_offset(table, bs, row_stride, t0 + n + j);
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      for (int64_t j = 0; j < n; ++j) {
+        hk[j] = kp + offs[j] + kh * D;
+        hv[j] = vp + offs[j] + kh * D;
+      }
+      for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {
+        // This KV head's slice of the next chunk's rows, a G-th of it before each query head:
+        // requests spread over the chunk's work keep DRAM busy while it computes (the whole
+        // next chunk asked for at once, as `chunk_rows` does, stalls on the full miss queue
+        // and then leaves DRAM idle while it computes).
+        const int64_t gi = g - kh * G;
+        for (int64_t j = gi * n_next / G; j < (gi + 1) * n_next / G; ++j) {
+          prefetch_bytes(kp + next[j] + kh * D, head_bytes);
+          prefetch_bytes(vp + next[j] + kh * D, head_bytes);
+        }
+        float* sg = scores + g * CHUNK;
+        scores_rows<NV>(qs + g * D, hk, n, sg);
+        online_update(sg, n, st.m[g], st.l[g], st.acc + g * D, D);
+      }
+      pv_heads<NV, HB>(hv, scores + kh * G * CHUNK, n, st.acc + kh * G * D, D, G);
+    }
   }
 }
 
@@ -389,7 +426,7 @@ inline void widen_row(const int8_t* src, float* dst, int64_t D) {
 // `chunk_rows` does); then per KV head the chunk's K rows of that head are widened into
 // `tile` (CHUNK x D floats, L1-sized) with the K and V scales beside, the G query heads
 // sharing it score the tile (`scores_q8`), and P V adds the int8 value rows for several heads
-// at once (`pv_heads_q8`; a widened tile where the registers hold too few heads). Query
+// at once (`pv_heads`; a widened tile where the registers hold too few heads). Query
 // head x reads KV head x / G, as in `attend`.
 template <int NV>
 void attend_q8(const float* qs, const int8_t* kp, const int8_t* vp, const float* ksc, const float* vsc,
@@ -431,7 +468,7 @@ void attend_q8(const float* qs, const int8_t* kp, const int8_t* vp, const float*
       for (int64_t g = kh * G; g < (kh + 1) * G; ++g)
         scores_q8<NV>(qs + g * D, kt, ks, vs, D, n, st.m[g], st.l[g], st.acc + g * D, scores + g * CHUNK);
       if constexpr (HB >= 2) {
-        pv_heads_q8<NV, HB>(vrows, scores + kh * G * CHUNK, n, st.acc + kh * G * D, D, G);
+        pv_heads<NV, HB>(vrows, scores + kh * G * CHUNK, n, st.acc + kh * G * D, D, G);
       } else {
         for (int64_t j = 0; j < n; ++j) widen_row(vrows[j], vt + j * D, D);
         for (int64_t g = kh * G; g < (kh + 1) * G; ++g)
