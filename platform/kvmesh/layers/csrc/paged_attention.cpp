@@ -339,7 +339,7 @@ inline void pv_heads(const T* const* vrows, const float* sg, int64_t n, float* a
 // The query stays in registers where they hold it beside the W accumulators.
 template <int NV, typename scalar_t>
 inline void scores_rows(const float* q, const scalar_t* const* krows, int64_t n, float* sg) {
-  constexpr bool kQInRegs = NV + W <= 24;
+  constexpr bool kQInRegs = NV + W <= (W >= 16 ? 24 : 12);  // of 32 zmm / 16 ymm: room left for the K loads
   vec qr[kQInRegs ? NV : 1];
   if constexpr (kQInRegs)
     for (int i = 0; i < NV; ++i) qr[i] = vload(q + i * W);
