@@ -249,7 +249,7 @@ class KernelConfig(_Base):
         "weight; off: the weight-split bmm (layers/linear.py split_linear).",
     )
     small_gemm: bool = Field(
-        True, description="Decode batches of 8-64 rows of a float32 layer on the native small-batch GEMM "
+        True, description="Decode batches of 5-64 rows of a float32 layer on the native small-batch GEMM "
         "(layers/csrc/small_gemm.cpp); off: oneDNN.",
     )
     quantized_cpu_gemm: bool = Field(

@@ -91,9 +91,9 @@ def test_multi_sequence_decode_steps_run_the_stack_bit_for_bit(model_factory, st
     _batch_stack_equals_loop(model_factory(qkv_bias=True), prompts, stack_calls, monkeypatch)
 
 
-@pytest.mark.parametrize("n", [8, 13])
+@pytest.mark.parametrize("n", [6, 8, 13])
 def test_small_gemm_decode_steps_run_the_stack_bit_for_bit(model_factory, stack_calls, monkeypatch, n):
-    """Decode steps of as many sequences as the small-batch GEMM's window takes (8-64) run
+    """Decode steps of as many sequences as the small-batch GEMM's window takes (5-64) run
     the stack in a float32 model, its linears on that GEMM as `Linear` runs them: the same
     bits as the layer loop; bf16 models keep the loop for them."""
     torch.set_num_threads(1)
@@ -110,13 +110,13 @@ def test_small_gemm_decode_steps_run_the_stack_bit_for_bit(model_factory, stack_
 
 def test_larger_batches_and_prefill_steps_take_the_layer_loop(model_factory, stack_calls):
     path = model_factory()
-    engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=128)
+    # Without the small-batch GEMM, one more row than the skinny GEMM takes has no stack form.
+    engine = build_engine(model=str(path), progress=False, block_size=4, num_blocks=128, small_gemm=False)
     stack_calls.clear()
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18], [19, 20, 21], [22, 23]]
     run_collecting_logits(engine, prompts[: SKINNY_KERNEL_ROWS + 1], params)
-    # One more than the skinny GEMM takes and fewer than the small-batch one does, all prefilled
-    # in one step, decoding together: no step qualifies.
+    # All prefilled in one step (the layer loop), then decoding together: no step qualifies.
     assert stack_calls and not any(stack_calls)
     assert engine.num_free_blocks == engine.num_usable_blocks
 

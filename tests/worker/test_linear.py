@@ -94,16 +94,16 @@ def _check_kernel(op, dtype, tol, rows, out_features, k, g) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("out_features", [1, 7, 8, 64, 131])  # row blocks of 8, their remainders
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("out_features", [1, 7, 8, 64, 131])  # tiles of 3-8 rows, their remainders
 def test_skinny_kernel_matches_reference(dtype, tol, rows, out_features):
     if not native.load():
         pytest.fail("C++ CPU kernels failed to build on this machine")
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     for k in (576, 37):  # whole vectors, and a scalar tail
         _check_kernel(torch.ops.kvmesh.skinny_linear, dtype, tol, rows, out_features, k, g)
-    with pytest.raises(RuntimeError, match="at most 4 rows"):
-        torch.ops.kvmesh.skinny_linear(torch.zeros(5, 8), torch.zeros(3, 8), None)
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        torch.ops.kvmesh.skinny_linear(torch.zeros(9, 8), torch.zeros(3, 8), None)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])

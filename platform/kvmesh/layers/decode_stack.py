@@ -14,7 +14,7 @@ run as the one op, else None (the model then loops over its layers). It can when
   every projection a dense `Linear`:
 
 exactly the steps whose layer loop runs the same C++ kernels one Python call at a time, so
-both paths give the same bits (at 8-64 rows the loop's Python and dispatch cost the
+both paths give the same bits (at 5-64 rows the loop's Python and dispatch cost the
 48-request offline workload ~8%: 229-231 -> 250-251 tok/s with the stack).
 
 With tensor parallelism each rank's stack runs its own shards and sums the row-parallel

@@ -10,7 +10,8 @@
 
 namespace kvmesh_cpu {
 
-// skinny_gemm.cpp: y = x @ w.T + b for x (M <= 4, K).
+// skinny_gemm.cpp: y = x @ w.T + b for x (M <= kSkinnyMaxRows, K).
+constexpr int64_t kSkinnyMaxRows = 8;
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
 
 // small_gemm.cpp: y = x @ w.T + b for x (a few dozen rows, K).

@@ -1,14 +1,14 @@
-// GEMM for decode-sized inputs on CPU: y (M, N) = x (M, K) @ w (N, K)^T + b, M <= 4.
+// GEMM for decode-sized inputs on CPU: y (M, N) = x (M, K) @ w (N, K)^T + b, M <= 8.
 //
-// Why: at batch 1-4 a linear layer is a matrix-vector product bound by reading the weight
+// Why: at batch 1-8 a linear layer is a matrix-vector product bound by reading the weight
 // once from DRAM. oneDNN's packed GEMM streams SmolLM2's weights at 17-25 GB/s there
 // (1.8x the bandwidth floor per decode step); this kernel reads the plain row-major weight
-// (the model's parameter, no packed copy) as four sequential row streams per thread, keeps
-// the M inputs in L1 as fp32, and accumulates M x 4 dot products in vector registers, so
+// (the model's parameter, no packed copy) as R sequential row streams per thread, keeps
+// the M inputs in L1 as fp32, and accumulates M x R dot products in vector registers, so
 // the loop is one load per weight vector and nothing else.
 //
 // fp32 or bf16 / fp16 weights (widened in registers); accumulation in fp32; output in the
-// weight's dtype. Rows are split across threads in blocks of 64 (>= 16 KiB of weight).
+// weight's dtype. Rows are split across threads in blocks of 8 tiles of R rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,8 +21,6 @@
 namespace {
 
 using namespace kvmesh_vec;
-
-constexpr int64_t kRowsPerTask = 64;
 
 // Dot products of M fp32 rows `xs` (M x K) with weight rows n .. n + R of `w`.
 // kPrefetch note: each row stream prefetches the same k two tiles of R rows ahead (R rows are
@@ -55,14 +53,23 @@ inline void dot_rows(const float* xs, const T* w, int64_t K, float* out /* M x R
     }
 }
 
+// Weight rows per tile for M input rows. Up to 4 rows: 8, as measured (the table in
+// layers/linear.py). 5-8 rows: the M x R accumulators, R weight vectors and an input vector
+// within the register file (32 zmm; 16 ymm on AVX2). R changes the order rows are streamed
+// in, not the bits: each output is one vector accumulator over k, then its horizontal sum.
+template <int M>
+constexpr int kTileRows = M <= 4 ? 8 : W >= 16 ? (M == 5 ? 5 : M == 6 ? 4 : 3) : (M <= 6 ? 2 : 1);
+
 template <int M, typename T>
 void skinny(const float* xs, const T* w, const T* b, T* y, int64_t N, int64_t K) {
+  constexpr int R = kTileRows<M>;
+  constexpr int64_t kRowsPerTask = 8 * R;  // 8 tiles: 64 rows (>= 16 KiB of weight) up to 4 inputs
   at::parallel_for(0, (N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
-    float out[M * 8];
+    float out[M * R];
     for (int64_t n = begin * kRowsPerTask, stop = std::min(N, end * kRowsPerTask); n < stop;) {
-      const int64_t rows = stop - n >= 8 ? 8 : 1;
-      if (rows == 8)
-        dot_rows<M, 8>(xs, w + n * K, K, out);
+      const int64_t rows = stop - n >= R ? R : 1;
+      if (rows == R)
+        dot_rows<M, R>(xs, w + n * K, K, out);
       else
         dot_rows<M, 1>(xs, w + n * K, K, out);
       for (int m = 0; m < M; ++m)
@@ -82,7 +89,11 @@ void dispatch_m(int64_t M, const float* xs, const T* w, const T* b, T* y, int64_
     case 2: skinny<2>(xs, w, b, y, N, K); break;
     case 3: skinny<3>(xs, w, b, y, N, K); break;
     case 4: skinny<4>(xs, w, b, y, N, K); break;
-    default: TORCH_CHECK(false, "skinny_linear: at most 4 rows, got ", M);
+    case 5: skinny<5>(xs, w, b, y, N, K); break;
+    case 6: skinny<6>(xs, w, b, y, N, K); break;
+    case 7: skinny<7>(xs, w, b, y, N, K); break;
+    case 8: skinny<8>(xs, w, b, y, N, K); break;
+    default: TORCH_CHECK(false, "skinny_linear: at most ", kvmesh_cpu::kSkinnyMaxRows, " rows, got ", M);
   }
 }
 

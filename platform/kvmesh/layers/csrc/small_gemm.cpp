@@ -49,7 +49,6 @@ inline float widen(at::Half v) { return static_cast<float>(v); }
 constexpr int kMaxMV = 4;
 constexpr bool kHalf = true;
 template <int MV, int H> struct Tile;
-template <> struct Tile<0, 1> { static constexpr int NR = 16; };
 template <> struct Tile<1, 0> { static constexpr int NR = 16; };
 template <> struct Tile<1, 1> { static constexpr int NR = 12; };
 template <> struct Tile<2, 0> { static constexpr int NR = 12; };
@@ -278,7 +277,6 @@ void dispatch(const T* x, int64_t M, int64_t MP, const T* w, const T* b, T* y, i
     case 2: small<1, 0>(x, M, MP, w, b, y, N, K); break;
     case 4: small<2, 0>(x, M, MP, w, b, y, N, K); break;
 #if defined(__AVX512F__)
-    case 1: small<0, 1>(x, M, MP, w, b, y, N, K); break;
     case 3: small<1, 1>(x, M, MP, w, b, y, N, K); break;
     case 5: small<2, 1>(x, M, MP, w, b, y, N, K); break;
     case 6: small<3, 0>(x, M, MP, w, b, y, N, K); break;
@@ -298,6 +296,13 @@ at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& w_in, const st
               "small_linear: x (M, K) and weight (N, K)");
   TORCH_CHECK(x_in.scalar_type() == w_in.scalar_type(), "small_linear: x and weight dtypes differ");
   const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
+  // A few rows are bound by the weight stream, and the skinny GEMM's R row streams of whole
+  // vectors keep it fuller than the NR broadcast streams here. All of SmolLM2's decoder
+  // linears, 2 threads, weights out of cache, Zen 4: AVX-512, 8 rows 21.8-25.2 -> 16.4-17.4 ms
+  // (lm_head 5.4-5.9 -> 3.8 ms; from 10 rows on this kernel is as fast or faster); the AVX2
+  // build, 6 rows 18.3-18.8 -> 15.0-16.9 ms, but at 8 rows its one-row tiles take 31 ms to 19.
+  constexpr int64_t kSkinnyRows = kvmesh_vec::W >= 16 ? kSkinnyMaxRows : 6;
+  if (M > 0 && M <= kSkinnyRows) return skinny_linear(x_in, w_in, b_in);
   auto w = w_in.contiguous();
   auto y = at::empty({M, N}, x_in.options());
   if (M == 0) return y;
