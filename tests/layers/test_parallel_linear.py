@@ -73,8 +73,10 @@ def test_column_then_row_parallel_equals_unsharded(tmp_path):
     with torch.inference_mode():
         ref = _run(*_mlp(OpContext(), w), w["x"])
     mp.start_processes(_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    # fp32 partial sums over half of K each, then added, against one sum over K: rounding apart
+    # (the kernels' own tolerance, tests/worker/test_linear.py).
     for rank in (0, 1):
-        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_sharding_needs_divisible_shapes():
