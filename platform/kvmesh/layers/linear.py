@@ -125,10 +125,10 @@ SKINNY_DTYPES = (torch.float32, torch.bfloat16)
 #   small / oneDNN AVX-512  1.01x 1.10x 1.18x 1.16x 1.34x 1.41x 1.29x
 #   small / oneDNN AVX2     1.61x 1.54x 1.71x 1.17x 1.42x 1.28x 1.22x
 # (80 rows: 0.91x), and the lm_head (49152 x 576) 1.03x at 16 rows to 1.27x at 48. Up to 8
-# rows the op runs the skinny kernel's loop (csrc/small_gemm.cpp: there the weight stream is
-# the bound; Zen 4, 8 rows: 21.8-25.2 -> 16.4-17.4 ms), so 5-7 rows, which took oneDNN and the
-# layer-by-layer loop, now run it too, and the decode stack with them. Fewer rows stay on the
-# skinny kernel, more on oneDNN. float32 weights only: bf16 weights keep oneDNN, which runs
+# rows (6 on AVX2) the op runs the skinny kernel's loop, which streams the weight faster there
+# (csrc/small_gemm.cpp has the numbers); so 5-7 rows, which took oneDNN and the layer-by-layer
+# loop, run it too, and the decode stack with them. Fewer rows stay on the skinny kernel, more
+# on oneDNN. float32 weights only: bf16 weights keep oneDNN, which runs
 # them on AMX / AVX512-BF16. KernelConfig.small_gemm=false turns it off.
 SMALL_GEMM_ROWS = (5, 64)
 
