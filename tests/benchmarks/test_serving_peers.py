@@ -106,3 +106,14 @@ def test_report_names_rates_rounds_ratios_and_output_match():
     assert "| kvmesh-local | 100 | 11.00 |" in text  # medians over rounds: 110 and 90, 10 and 12 ms
     data["args"] = {"rate": "2.0", "load": 0.6}
     assert "fixed (--rate): random 0.300 req/s" in sp.render(data)
+
+
+def test_ab_server_is_kvmesh_local_plus_the_b_flags():
+    args = sp.parse_args(["--rate", "2", "--no-offline", "--servers", "kvmesh-local,kvmesh-local-b,vllm",
+                          "--kvmesh-args", "--max-num-seqs 32", "--kvmesh-args-b", "--max-num-batched-tokens 2048"])
+    a, _ = sp.server_cmd("kvmesh-local", Path("/m"), 8400, 50400, args)
+    b, _ = sp.server_cmd("kvmesh-local-b", Path("/m"), 8400, 50400, args)
+    assert b[:len(a)] == a and b[len(a):] == ["--max-num-batched-tokens", "2048"]
+    assert "--local" in a and "--max-num-seqs" in a
+    with pytest.raises(SystemExit):  # a B side without flags would compare kvmesh-local with itself
+        sp.parse_args(["--rate", "2", "--no-offline", "--servers", "kvmesh-local,kvmesh-local-b"])
