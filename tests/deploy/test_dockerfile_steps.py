@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kernel_checks import INT8_KV_CHECK
 
 REPO = Path(__file__).resolve().parents[2]
 RUNTIME = REPO / "deploy" / "Dockerfile"
@@ -231,7 +232,8 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 @pytest.mark.slow
 def test_runtime_dockerfile_steps_bake_model_and_kernels_and_start_from_them(tmp_path):
     """install-runtime.sh and warm-runtime.sh as the Dockerfile runs them; then kvmesh, with no
-    compiler on PATH, generates from the baked model and kernels and writes nothing to the cache."""
+    compiler on PATH, generates from the baked model and kernels, the baked kernels' int8 KV
+    paths equal PyTorch's, and nothing is written to the cache."""
     if "avx2" not in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""):
         pytest.skip("the baked kernel tier here is avx2; this CPU has no AVX2")
     replay = Replay(tmp_path, build_args={"TORCH_INDEX": "", "KERNEL_ISAS": "avx2"},
@@ -264,4 +266,9 @@ def test_runtime_dockerfile_steps_bake_model_and_kernels_and_start_from_them(tmp
     assert started["rc"] == 0 and "Paris" in started["text"], started
     assert started["compiler"] is None and started["native"]["ok"] and started["native"]["isa"] == "avx2", started
     assert Path(started["kvmesh"]).is_relative_to(venv)
+    # The baked AVX2 build runs the int8 KV kernels as the default build does (on an AVX-512
+    # CPU the default takes 16-lane loads; this is the suite's one AVX2 build).
+    int8 = subprocess.run([str(venv / "bin" / "python"), "-c", INT8_KV_CHECK], env=env, cwd=replay.cwd,
+                          capture_output=True, text=True, timeout=300)
+    assert int8.returncode == 0 and int8.stdout.strip().endswith("ok"), int8.stderr[-3000:]
     assert _snapshot(cache) == before  # read-only is enough: a pod may mount it so

@@ -6,11 +6,6 @@ the same numbers, so the tolerance is tight, not the quantization error's)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -208,42 +203,6 @@ def test_int8_kernels_refuse_bad_scales():
                                            torch.tensor([64]))
 
 
-_AVX2_CHECK = """
-import torch
-from kvmesh.layers import kv_cache as kvq, native
-assert native.load("avx2") and native.isa() == "avx2"
-g = torch.Generator().manual_seed(0)
-for d in (64, 40):
-    nb, bs, kvh, h = 40, 16, 3, 9
-    x = torch.randn(nb * bs, kvh, d, generator=g)
-    kv = kvq.QuantizedKV(*(torch.zeros(nb, bs, kvh, d, dtype=torch.int8) for _ in range(2)),
-                         *(torch.zeros(nb, bs, kvh) for _ in range(2)))
-    torch.ops.kvmesh.quantize_kv_cache(x, -x, *kv, torch.arange(nb * bs))
-    ref = kvq.QuantizedKV(*(torch.zeros_like(t) for t in kv))
-    kvq.write(ref, x, -x, torch.arange(nb * bs))
-    assert all(torch.equal(a, b) for a, b in zip(kv, ref))
-    kd, vd = kvq.dequantize(kv.k, kv.k_scale, torch.float32), kvq.dequantize(kv.v, kv.v_scale, torch.float32)
-    table = torch.randperm(nb, generator=g)[:36].view(3, 12)
-    lens = torch.tensor([190, 7, 64])
-    q = torch.randn(3, h, d, generator=g)
-    op = torch.ops.kvmesh.paged_decode_attention
-    torch.testing.assert_close(op(q, *kv[:2], table, lens, d**-0.5, 0, *kv[2:]), op(q, kd, vd, table, lens, d**-0.5),
-                               rtol=2e-5, atol=2e-5)
-    out, want = torch.zeros(40, h, d), torch.zeros(40, h, d)
-    spans = torch.tensor([[0, 30, 100], [30, 10, 0]])
-    torch.ops.kvmesh.paged_prefill_attention(out, torch.randn(40, h, d, generator=g), *kv[:2], table[:2], spans,
-                                             d**-0.5, 0, *kv[2:])
-print("ok")
-"""
-
-
-@pytest.mark.slow
-def test_avx2_build_runs_the_int8_paths_too():
-    """On an AVX-512 CPU the default build takes the 16-lane loads; the AVX2 build (its own
-    library, a minute or two to build once) must give the same answers with 8-lane ones."""
-    if "avx512f" not in native.cpu_flags() or not {"avx2", "fma", "f16c"} <= native.cpu_flags():
-        pytest.skip("the default build already is the AVX2 (or generic) one here")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{root / 'platform'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run([sys.executable, "-c", _AVX2_CHECK], capture_output=True, text=True, env=env, timeout=1200)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+# The same kernels on the AVX2 build (8-lane loads, where an AVX-512 CPU's default build takes
+# 16-lane ones): tests/kernel_checks.py's INT8_KV_CHECK, run by tests/deploy/test_dockerfile_steps.py
+# on the image's baked AVX2 kernels, the suite's one AVX2 build.
