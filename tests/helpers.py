@@ -3,6 +3,7 @@ outputs from transformers on the same checkpoint."""
 
 from __future__ import annotations
 
+import psutil
 import torch
 
 from kvmesh.engine.engine import LLMEngine
@@ -106,3 +107,13 @@ def peft_reference(base, adapter):
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     return model if adapter is None else PeftModel.from_pretrained(model, adapter).eval()
+
+
+def is_rank_process(p: psutil.Process) -> bool:
+    """A parallel rank process: a fork of a replica's fork server (multiprocessing forkserver:
+    the server and its forks share its command line; the server's parent is the replica)."""
+    try:
+        parent = p.parent()
+        return parent is not None and all("multiprocessing.forkserver" in " ".join(q.cmdline()) for q in (p, parent))
+    except psutil.NoSuchProcess:
+        return False

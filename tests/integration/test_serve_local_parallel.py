@@ -1,5 +1,5 @@
 """`kvmesh serve --local --tensor-parallel-size 2`: one decode worker whose group is two
-processes (the worker is rank 0, it spawns rank 1). Greedy output through the router equals
+processes (the worker is rank 0, rank 1 is a fork of its fork server). Greedy output through the router equals
 the one-rank engine's; a killed rank turns the worker's gRPC health NOT_SERVING at once, a
 request sent meanwhile ends (served or refused with a status) instead of hanging, the
 supervisor restarts the whole worker (a fresh group) on the same address, and SIGTERM
@@ -16,6 +16,7 @@ import grpc
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import is_rank_process
 
 from kvmesh._proto import llm_pb2, llm_pb2_grpc
 from kvmesh_procs import start_serve_local
@@ -29,8 +30,8 @@ def worker_and_rank(serve_pid: int, port: int) -> tuple[int, int]:
     for child in psutil.Process(serve_pid).children():
         try:
             if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in child.net_connections("tcp")):
-                ranks = [p for p in child.children() if "spawn_main" in " ".join(p.cmdline())]
-                assert len(ranks) == 1, [p.cmdline() for p in child.children()]
+                ranks = [p for p in child.children(recursive=True) if is_rank_process(p)]
+                assert len(ranks) == 1, [p.cmdline() for p in child.children(recursive=True)]
                 return child.pid, ranks[0].pid
         except psutil.NoSuchProcess:
             continue

@@ -19,6 +19,7 @@ import time
 
 import psutil
 import pytest
+from helpers import is_rank_process
 from serve_procs import start_serve, stop_serve
 from test_quickstart import snippet
 
@@ -27,15 +28,8 @@ QUICKSTART_PROMPT, QUICKSTART_TOKENS = "The capital of France is", 8
 
 
 def rank_processes(root: int) -> list[psutil.Process]:
-    """Descendants of `root` that are parallel ranks (multiprocessing spawn children of a replica)."""
-    out = []
-    for p in psutil.Process(root).children(recursive=True):
-        try:
-            if "spawn_main" in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
+    """Descendants of `root` that are parallel ranks."""
+    return [p for p in psutil.Process(root).children(recursive=True) if is_rank_process(p)]
 
 
 def quickstart() -> tuple[str, str]:
