@@ -49,7 +49,8 @@ class VocabParallelEmbedding(nn.Module):
         self.num_local = padded_vocab(num_embeddings, self.tp.size) // self.tp.size
         self.vocab_start = self.tp.rank * self.num_local
         self.weight = nn.Parameter(torch.empty(self.num_local, embedding_dim))
-        nn.init.normal_(self.weight)  # nn.Embedding's init (free on the meta device)
+        if not self.weight.is_meta:  # nn.Embedding's init; on meta (where loaders build models) normal_
+            nn.init.normal_(self.weight)  # runs a Python reference that imports torch._dynamo (1.5 s)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

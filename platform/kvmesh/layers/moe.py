@@ -175,8 +175,9 @@ class FusedMoE(CustomOp):
         dtype = self.ctx.dtype
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=dtype))
-        nn.init.normal_(self.w13, std=hidden_size ** -0.5)  # free on the meta device
-        nn.init.normal_(self.w2, std=intermediate_size ** -0.5)
+        if not self.w13.is_meta:  # (as VocabParallelEmbedding: normal_ on meta imports torch._dynamo)
+            nn.init.normal_(self.w13, std=hidden_size ** -0.5)
+            nn.init.normal_(self.w2, std=intermediate_size ** -0.5)
         self.bind()
 
     def bind(self) -> None:

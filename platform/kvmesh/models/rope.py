@@ -59,6 +59,13 @@ def inv_frequencies(cfg: ArchConfig, local: bool = False) -> tuple[torch.Tensor,
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, cfg: ArchConfig, max_positions: int, local: bool = False):
         super().__init__()
+        if torch.empty(()).is_meta:
+            # A meta build (the loaders'): shapes only, the tables come with init_rotary once
+            # the model is on its device (computing them on meta runs torch's Python
+            # references, whose first call imports torch._dynamo: 1-1.5 s of a process start).
+            self.register_buffer("cos", torch.empty(max_positions, cfg.head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
+            return
         inv_freq, attn_factor = inv_frequencies(cfg, local)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # (P, D/2)
