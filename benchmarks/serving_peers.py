@@ -111,10 +111,9 @@ def server_cmd(name: str, model_dir: Path, port: int, grpc_port: int, args) -> t
               "--port", str(grpc_port), *shlex.split(args.kvmesh_args)]
     if name == "kvmesh-ray":
         return kvmesh, env
-    if name == "kvmesh-local":
-        return kvmesh[:4] + ["--local", "--prefill-replicas", "0"] + kvmesh[4:], env
-    if name == "kvmesh-local-b":  # the B side of an A/B: kvmesh-local with --kvmesh-args-b added
-        return kvmesh[:4] + ["--local", "--prefill-replicas", "0"] + kvmesh[4:] + shlex.split(args.kvmesh_args_b), env
+    if name in ("kvmesh-local", "kvmesh-local-b"):  # -b: the B side of an A/B, plus --kvmesh-args-b
+        b = shlex.split(args.kvmesh_args_b) if name == "kvmesh-local-b" else []
+        return kvmesh[:4] + ["--local", "--prefill-replicas", "0"] + kvmesh[4:] + b, env
     if name == "vllm":
         env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4")
         return [str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", str(model_dir), "--served-model-name", "kvmesh",

@@ -1,6 +1,6 @@
 """`kvmesh serve --local --tensor-parallel-size 2`: one decode worker whose group is two
-processes (the worker is rank 0, rank 1 is a fork of its fork server). Greedy output through the router equals
-the one-rank engine's; a killed rank turns the worker's gRPC health NOT_SERVING at once, a
+processes (the worker is rank 0, rank 1 is a fork of its fork server). Greedy output through
+the router equals the one-rank engine's; a killed rank turns the worker's gRPC health NOT_SERVING at once, a
 request sent meanwhile ends (served or refused with a status) instead of hanging, the
 supervisor restarts the whole worker (a fresh group) on the same address, and SIGTERM
 leaves no rank process behind."""
